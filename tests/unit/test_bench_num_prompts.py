@@ -78,9 +78,10 @@ def test_in_process_keeps_at_most_c_in_flight(tmp_path):
         m = run["metrics"]
         assert m["output_tok_s"] == pytest.approx(15 / run["wall_s"])
         assert m["request_throughput"] == pytest.approx(5 / run["wall_s"])
+        assert m["total_tok_s"] == pytest.approx((15 + 5 * 8) / run["wall_s"])
     table = {r["metric"]: r for r in res["metrics"]["table"]}
-    assert list(table) == ["output_tok_s", "request_throughput", "ttft_ms", "tpot_ms", "ttft_p99_ms", "tpot_p99_ms",
-                           "itl_p99_ms"]  # (no common decode window: N > C)
+    assert list(table) == ["output_tok_s", "request_throughput", "total_tok_s", "ttft_ms", "tpot_ms", "ttft_p99_ms",
+                           "tpot_p99_ms", "itl_p99_ms"]  # (no common decode window: N > C)
     warm = [r for r in runs if r["run"] == "warm1"][0]["requests"]
     assert table["ttft_p99_ms"]["median"] == pytest.approx(max(r["ttft_ms"] for r in warm))  # (5 requests: the max)
     assert table["output_tok_s"]["workload"]["num_prompts"] == 5
@@ -162,8 +163,8 @@ def test_latency_percentiles_as_vllm_names_them():
     assert percentile_names(["ttft", "e2el"], [50.0, 99.9]) == ("ttft_p50_ms", "ttft_p99.9_ms", "e2el_p50_ms",
                                                                  "e2el_p99.9_ms")
     rows = table_rows([run], (("e2el",), (50.0, 90.0)))
-    assert [r["metric"] for r in rows] == ["output_tok_s", "request_throughput", "ttft_ms", "tpot_ms", "e2el_p50_ms",
-                                           "e2el_p90_ms"]  # (staggered requests: no common decode window)
+    assert [r["metric"] for r in rows] == ["output_tok_s", "request_throughput", "total_tok_s", "ttft_ms", "tpot_ms",
+                                           "e2el_p50_ms", "e2el_p90_ms"]  # (staggered requests: no common window)
 
 
 def test_percentile_flags(tmp_path):

@@ -7,7 +7,7 @@ Pure functions over timestamps (seconds, one monotonic clock), so they can be ch
   window length. A token stamped at the window start was made by the step that opened the window, so the
   window holds the tokens stamped in (start, end].
 - output tok/s = all output tokens / wall time of the batch (first request sent -> last token); request throughput =
-  requests / that wall time (vLLM's req/s).
+  requests / that wall time (vLLM's req/s); total tok/s = prompt and output tokens / that wall time.
 - prefill tok/s = prompt tokens computed (prompt minus prefix-cache hits) / prefill time.
 - protocol: 1 cold + N warm runs (N = 3); report the warm median and every warm value.
 """
@@ -176,6 +176,8 @@ class RunResult:
         m: dict[str, Optional[float]] = {
             "output_tok_s": output_tok_s(total_out, self.wall_s),
             "request_throughput": output_tok_s(len(reqs), self.wall_s),  # (requests / wall: vLLM's req/s)
+            # (prompt and output tokens / wall: vLLM's total token throughput)
+            "total_tok_s": output_tok_s(total_out + sum(r.prompt_tokens for r in reqs), self.wall_s),
             "concurrent_decode_tok_s": concurrent_decode_tok_s([r.token_times for r in reqs]),
             "ttft_ms": statistics.median(r.ttft_s for r in reqs) * 1e3,
             "tpot_ms": tpot_ms(reqs),
@@ -312,7 +314,8 @@ def summarize(runs: Sequence[RunResult], metric: str) -> Optional[dict]:
 # metrics reported per scenario, in table order
 SCENARIO_METRICS = {
     "decode": ("pure_decode_tok_s", "ttft_ms", "output_tok_s"),
-    "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "request_throughput", "ttft_ms", "tpot_ms"),
+    "concurrency": ("concurrent_decode_tok_s", "output_tok_s", "request_throughput", "total_tok_s", "ttft_ms",
+                    "tpot_ms"),
     "prefill": ("prefill_tok_s", "ttft_ms"),
     "prefix": ("ttft_ms", "ttft_p90_ms", "output_tok_s", "prefill_tok_s", "prefix_cache_hit_rate",
                "external_prefix_cache_hit_rate"),
