@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s167     (for session 67) eager_gemm_host_cost.py (Triton vs cuBLAS launches' host cost), the compat engine test
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
 stage=$1; sha=$2
@@ -1675,6 +1676,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64.log"
     gpu_file test_gemv_cuda 150 -k "batch_tuned_model or (batch_gemm_real_shapes and fp16 and 4096-4096)"
     gpu_file test_engine_gpu 200
+    ;;
+  s167)  # (for session 67) what an eager decode-batch GEMM costs the host (session 66: --enforce-eager 1.3-1.7x slower
+         # with the Triton GEMM at 3-40 rows), then the engine file's compat test (rewritten in session 66, not yet run)
+    timeout 240 python3 benchmarks/micro/eager_gemm_host_cost.py 200 2>&1 | grep -v -i warn | tee "$out/eager-gemm-host-cost.txt"
+    gpu_file test_engine_gpu 200 -s -k "compat_route or graphs_equal_eager or small_weight"
+    grep -E "flip" "$out/test_engine_gpu.txt"
     ;;
   s166b)  # (session 66) the concurrency scenario's --num-prompts on the GPU: the 8B at 64 in flight, lengths spread
           # 64-192 (--random-range-ratio 0.5), one batch of 64 vs 320 requests streamed (the next sent when one ends)
