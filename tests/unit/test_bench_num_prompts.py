@@ -95,7 +95,8 @@ def test_vllm_bench_serve_spelling(tmp_path):
     from voltllm.bench.cli import resolve_scenario
 
     res = run_tiny_bench(tmp_path, "vllm", "--dataset-name", "random", "--random-input-len", "6", "--random-output-len",
-                         "2", "--max-concurrency", "2", "--num-prompts", "3", "--ignore-eos")
+                         "2", "--max-concurrency", "2", "--num-prompts", "3", "--ignore-eos", "--save-result",
+                         "--result-filename", "vllm.json")
     run = res["metrics"]["runs"][1]
     assert run["scenario"] == "concurrency" and run["workload"] == {"num_prompts": 3, "max_concurrency": 2}
     assert [(r["prompt_tokens"], r["output_tokens"]) for r in run["requests"]] == [(6, 2)] * 3
@@ -103,6 +104,13 @@ def test_vllm_bench_serve_spelling(tmp_path):
     assert resolve_scenario(None, "random-mm") == "random-mm" and resolve_scenario(None, None) == "decode"
     with pytest.raises(ConfigError, match="--dataset-name random is --scenario concurrency, not --scenario prefill"):
         run_tiny_bench(tmp_path, "x", "--dataset-name", "random", "--scenario", "prefill")
+    with pytest.raises(ConfigError, match="name different files"):
+        run_tiny_bench(tmp_path, "x", "--result-filename", "y.json")
+    from voltllm.bench.cli import result_name
+
+    assert result_name(None, "run.json") == "run" and result_name("a", None) == "a" and result_name(None, None) is None
+    with pytest.raises(ConfigError, match="a file name"):
+        result_name(None, "dir/run.json")
 
 
 def test_cli_refusals(tmp_path):

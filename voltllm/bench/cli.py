@@ -155,8 +155,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts (and sampling seeds)")
-    g.add_argument("--name", default=None, help="result file name (default: model-dtype-scenario-time)")
-    g.add_argument("--output-dir", default=os.path.join("benchmarks", "results"))
+    g.add_argument("--name", default=None, help="result file name without .json (default: model-dtype-scenario-time); "
+                   "vLLM's --result-filename NAME.json is taken as --name NAME")
+    g.add_argument("--result-filename", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--output-dir", "--result-dir", default=os.path.join("benchmarks", "results"),
+                   help="where the result file goes (default benchmarks/results)")
+    g.add_argument("--save-result", action="store_true",
+                   help="accepted for vLLM's bench serve: the result file is always written")
     g.add_argument("--commit", default=None, help="record this commit when the tree is not a git checkout")
     g.add_argument("--baseline", type=_str_list, default=[], metavar="hf[,hf-static]",
                    help="also run transformers generate on the same model and prompts: hf (plain generate) "
@@ -318,10 +323,23 @@ def resolve_scenario(scenario: Optional[str], dataset_name: Optional[str]) -> st
     return scenario or named or "decode"
 
 
+def result_name(name: Optional[str], result_filename: Optional[str]) -> Optional[str]:
+    """--name, or vLLM's --result-filename without its .json (both given must agree)."""
+    if result_filename is None:
+        return name
+    stem = result_filename[:-5] if result_filename.endswith(".json") else result_filename
+    if not stem or os.sep in stem:
+        raise ConfigError(f"--result-filename {result_filename!r}: a file name (the directory is --result-dir)")
+    if name is not None and name != stem:
+        raise ConfigError(f"--name {name} and --result-filename {result_filename} name different files: give one")
+    return stem
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from voltllm.bench.shapes import materialize
 
     args.scenario = resolve_scenario(args.scenario, getattr(args, "dataset_name", None))
+    args.name = result_name(args.name, getattr(args, "result_filename", None))
     given = getattr(args, "percentile_metrics", None), getattr(args, "metric_percentiles", None)
     args.percentiles = (given[0] or DEFAULT_PERCENTILES[0], given[1] or DEFAULT_PERCENTILES[1])
 
