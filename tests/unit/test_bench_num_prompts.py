@@ -25,8 +25,6 @@ def test_plans_and_refusals():
         make_plans("decode", None, num_prompts=8)
     with pytest.raises(ValueError, match="--num-prompts 3 is below --concurrency 4"):
         make_plans("concurrency", [1, 4], num_prompts=3)
-    with pytest.raises(ValueError, match="give one of them"):
-        make_plans("concurrency", [4], num_prompts=8, request_rate=2.0)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
@@ -123,11 +121,14 @@ def test_cli_refusals(tmp_path):
         run_tiny_bench(tmp_path, "x", "--scenario", "prefill", "--num-prompts", "4")
 
 
-def test_client_sends_n_with_c_workers():
+@pytest.mark.parametrize("rate", [float("inf"), 10.0])
+def test_client_sends_n_with_c_workers(rate):
+    import time
+
     httpx = pytest.importorskip("httpx")
     from voltllm.bench.client import ClientRunner
 
-    prompts = []
+    prompts, sent = [], []
 
     def handler(request):
         if request.url.path == "/v1/models":
@@ -136,6 +137,7 @@ def test_client_sends_n_with_c_workers():
             return httpx.Response(404)
         body = json.loads(request.content)
         prompts.append(body["prompt"])
+        sent.append(time.monotonic())
         n = body["max_tokens"]
         chunks = [{"choices": [{"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}]}
                   for i in range(n)]
@@ -143,7 +145,7 @@ def test_client_sends_n_with_c_workers():
                    b"[DONE]"]
         return httpx.Response(200, content=sse_body(chunks), headers={"content-type": "text/event-stream"})
 
-    plan = make_plans("concurrency", [2], 6, 2, num_prompts=5)[0]
+    plan = make_plans("concurrency", [2], 6, 2, num_prompts=5, request_rate=rate)[0]
     runner = ClientRunner("http://test", transport=httpx.MockTransport(handler))
     try:
         work = make_run_input(plan, 50, 0, 1)
@@ -151,6 +153,10 @@ def test_client_sends_n_with_c_workers():
     finally:
         runner.close()
     assert sorted(map(tuple, prompts)) == sorted(tuple(r.prompt) for r in work.requests)
+    if rate != float("inf"):  # each sent no earlier than its arrival time (after the first)
+        due = {tuple(r.prompt): r.not_before for r in work.requests}
+        for p, t in zip(prompts, sent):
+            assert t - sent[0] >= due[tuple(p)] - 0.02  # (the first send's own delay after the start)
     assert len(run.requests) == 5 and run.workload == {"num_prompts": 5, "max_concurrency": 2}
     assert run.side == "client" and run.metrics()["output_tok_s"] > 0
 
@@ -186,3 +192,25 @@ def test_percentile_flags(tmp_path):
                 ["--metric-percentiles", "101"], ["--metric-percentiles", "x"]):
         with pytest.raises(SystemExit):
             run_tiny_bench(tmp_path, "x", "--scenario", "concurrency", *bad)
+
+
+def test_request_rate_under_the_concurrency_cap(tmp_path):
+    """--request-rate with --num-prompts: each request is sent at its arrival time or, when C are in flight, as soon
+    as one ends (vLLM's bench serve with both flags); TTFT counts from the send."""
+    plan = make_plans("concurrency", [2], 6, 2, request_rate=20.0, num_prompts=5)[0]
+    source = make_run_input(plan, 100, 0, 1)
+    offsets = [r.not_before for r in source.requests]
+    assert offsets[0] == 0.0 and all(b > a for a, b in zip(offsets, offsets[1:]))
+    assert offsets == make_workload(plan, 100, _run_seed(plan, 0, 1), 5).arrivals
+    res = run_tiny_bench(tmp_path, "rate", "--scenario", "concurrency", "--concurrency", "2", "--num-prompts", "5",
+                         "--request-rate", "20", "--input-len", "6", "--output-len", "2")
+    for run in res["metrics"]["runs"]:
+        reqs = sorted(run["requests"], key=lambda r: r["arrival"])
+        start = min(r["arrival"] for r in reqs)
+        want = make_workload(plan, 512, _run_seed(plan, 0, 0 if run["run"] == "cold" else 1), 5).arrivals
+        for r, due in zip(reqs, want):
+            assert r["arrival"] - start >= due - 1e-3, (r, due)  # never before its time
+        for i in range(2, 5):  # never more than 2 in flight
+            assert sum(q["last_token"] <= reqs[i]["arrival"] for q in reqs[:i]) >= i - 1
+        assert run["request_rate"] == 20.0 and run["workload"]["num_prompts"] == 5
+    assert "@20/s n=5" in format_table(res["metrics"]["table"])

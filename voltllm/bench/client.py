@@ -244,6 +244,8 @@ class ClientRunner:
                         req = source.next()
                 if req is None:
                     return
+                if req.not_before is not None:  # (--request-rate: not before its arrival time)
+                    await asyncio.sleep(max(0.0, t0 + req.not_before - time.monotonic()))
                 body = self.payload(req.prompt, req.output_len, self.sampling_seed + req.seed)
                 if source.wants_answers:
                     body["return_token_ids"] = True
@@ -275,7 +277,7 @@ class ClientRunner:
         reqs = sorted((t for t, _ in done), key=lambda t: t.index)
         result = RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0,
                            max(r.last_token for r in reqs), reqs, side="client", workload=plan.workload(),
-                           range_ratio=plan.range_ratio,
+                           range_ratio=plan.range_ratio, request_rate=plan.request_rate,
                            spec=spec_from_server(before, after))
         _cache_hits_from_server(result, [c for _, c in done], before, after)
         return result

@@ -51,10 +51,15 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
     done: list[RequestTiming] = []
     t0 = end = time.monotonic()
 
+    pending: list[BenchRequest] = []  # the next request, taken from the source before its arrival time
+
     def fill() -> None:
         while len(live) < plan.concurrency:
-            req = source.next()
+            req = pending.pop() if pending else source.next()
             if req is None:
+                return
+            if req.not_before is not None and time.monotonic() - t0 < req.not_before:
+                pending.append(req)
                 return
             rid = f"bench{runner._batch}-{req.index}"
             sp = sampling_params(req.output_len, runner.temperature, runner.top_p, runner.top_k,
@@ -64,7 +69,11 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
             live[rid] = _Live(req, now)
 
     fill()
-    while live:
+    while live or pending:
+        if not live:  # (the next request's arrival time has not come: nothing to step until it does)
+            time.sleep(max(0.0, t0 + pending[0].not_before - time.monotonic()))
+            fill()
+            continue
         outs = eng.step()
         now = time.monotonic()  # the step returned: its tokens exist now
         for o in outs:
@@ -93,6 +102,7 @@ def run_source_inprocess(runner: InProcessRunner, plan: Plan, run: str, source: 
     stats = eng.stats()
     return RunResult(plan.scenario, plan.concurrency, run, plan.input_len, plan.output_len, t0, end, done,
                      preemptions=stats.num_preemptions - preempt0, side="server", range_ratio=plan.range_ratio,
+                     request_rate=plan.request_rate,
                      spec=spec_delta(spec0, spec_counts(stats)),
                      compiles=runner.compile_log.since(mark) if runner.compile_log is not None else None,
                      workload=plan.workload(),

@@ -57,7 +57,8 @@ class Plan:
     images: Optional[RandomMM] = None
     image_tokens: Optional[ImageTokens] = None
     # the concurrency scenario's --num-prompts: N requests per run, at most `concurrency` in flight, each sent when
-    # one ends (vLLM's bench serve with --max-concurrency); None: `concurrency` requests, all sent together
+    # one ends and (with request_rate) not before its arrival time (vLLM's bench serve with --max-concurrency);
+    # None: `concurrency` requests, all sent together (or at request_rate)
     num_prompts: Optional[int] = None
 
     def workload(self) -> Optional[dict]:
@@ -107,7 +108,7 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
             raise ValueError(f"{flag} shapes the requests of --scenario concurrency and random-mm; --scenario "
                              f"{scenario} runs one request at a time")
     if num_prompts is not None:
-        _check_num_prompts(num_prompts, scenario, concurrency, request_rate)
+        _check_num_prompts(num_prompts, scenario, concurrency)
     if is_images:
         images = images if images is not None else RandomMM()
     plans = []
@@ -138,16 +139,13 @@ def make_plans(scenario: str, concurrency: Optional[list[int]], input_len: Optio
     return plans
 
 
-def _check_num_prompts(n: int, scenario: str, concurrency: list[int], request_rate: float) -> None:
+def _check_num_prompts(n: int, scenario: str, concurrency: list[int]) -> None:
     if scenario not in ("concurrency", "all"):
         raise ValueError(f"--num-prompts sets the requests per run of --scenario concurrency (and prefix), not of "
                          f"--scenario {scenario}")
     if n < max(concurrency):
         raise ValueError(f"--num-prompts {n} is below --concurrency {max(concurrency)}: each run sends N requests "
                          "with at most C in flight, so N >= C")
-    if math.isfinite(request_rate):
-        raise ValueError("--num-prompts sends each request when one in flight ends; --request-rate spaces one batch "
-                         "over time instead: give one of them")
 
 
 def _cache_plans(scenario: str, concurrency: list[int], input_len: Optional[int], output_len: Optional[int],
@@ -258,7 +256,7 @@ def make_run_input(plan: Plan, vocab_size: int, seed: int, run_index: int) -> Wo
         return make_source(plan.spec, vocab_size, run_seed, prompt_seed(seed, plan, 0))
     if plan.num_prompts is not None:
         work = make_workload(plan, vocab_size, run_seed, plan.num_prompts)
-        return stream_of(work.prompts, work.output_lens)
+        return stream_of(work.prompts, work.output_lens, work.arrivals)
     return make_workload(plan, vocab_size, run_seed)
 
 

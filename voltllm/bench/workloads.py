@@ -104,6 +104,9 @@ class BenchRequest:
     group: int  # the shared prefix's index (prefix) or the conversation's (multi-turn)
     turn: Optional[int] = None  # 1-based turn of its conversation (multi-turn)
     seed_offset: Optional[int] = None  # its sampling seed is the base seed + this (None: + index)
+    # seconds after the run's start before which it is not sent (--request-rate with --num-prompts); None: when a
+    # slot frees
+    not_before: Optional[float] = None
 
     @property
     def seed(self) -> int:
@@ -151,9 +154,11 @@ class FixedSource(RequestSource):
         return self.requests[self.handed_out - 1]
 
 
-def stream_of(prompts: list[list[int]], output_lens: list[int]) -> FixedSource:
-    """The concurrency scenario's requests with --num-prompts: sent in this order, the next whenever one ends."""
-    return FixedSource([BenchRequest(i, p, n, 0) for i, (p, n) in enumerate(zip(prompts, output_lens))])
+def stream_of(prompts: list[list[int]], output_lens: list[int], arrivals: Optional[list[float]] = None) -> FixedSource:
+    """The concurrency scenario's requests with --num-prompts: sent in this order, the next whenever one ends, and
+    with arrivals (--request-rate) not before its time."""
+    return FixedSource([BenchRequest(i, p, n, 0, not_before=arrivals[i] if arrivals is not None else None)
+                        for i, (p, n) in enumerate(zip(prompts, output_lens))])
 
 
 class PrefixRepetitionSource(FixedSource):
