@@ -8,7 +8,8 @@ layers beside its plain-PyTorch reference, on one set of random inputs at a mode
   conv_prefill voltllm.kernels.gdn_conv.causal_conv1d_prefill       vs gdn_ref.causal_conv1d_varlen
                (the prefill sizes of gdn_chunk)
   moe          the expert kernels SparseMoE runs for the batch:        vs voltllm.model.layers.moe.fused_experts_ref
-               voltllm.kernels.moe_decode.fused_experts_small (unsorted GEMVs) up to SMALL_MAX_PAIRS (token, expert) pairs,
+               voltllm.kernels.moe_decode.fused_experts_small (unsorted GEMVs) up to SMALL_MAX_PAIRS
+               (token, expert) pairs,
                voltllm.kernels.moe.fused_experts (grouped GEMM) above
 
 An input set is a dict; the calls take it and return named outputs. Inputs the call updates in place (state

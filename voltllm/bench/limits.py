@@ -74,7 +74,6 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, iters: int = 20, w
     src = torch.full((nbytes,), 1, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     secs = _time_op(lambda: dst.copy_(src), device, iters, warmup)
-    del src, dst
     return [2 * nbytes / s / 1e9 for s in secs]
 
 
@@ -86,7 +85,6 @@ def measure_matmul_rate(device: torch.device, n: int, dtype: torch.dtype, iters:
     b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
     c = torch.empty(n, n, device=device, dtype=dtype)
     secs = _time_op(lambda: torch.matmul(a, b, out=c), device, iters, warmup)
-    del a, b, c
     return [2 * n ** 3 / s / 1e12 for s in secs]
 
 

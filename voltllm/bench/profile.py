@@ -15,8 +15,8 @@ share of the summed kernel time), GPU busy time per step (union of the GPU activ
 wall time per step with and without the profiler. With programmatic dependent launch a kernel starts while its
 predecessor runs and waits for it (kernels/pdl.py), so its recorded duration includes that wait; each kernel's
 exclusive time (the part of its interval no earlier-started activity covers; the exclusive times sum to the busy
-time) says where the step's time goes, and the table is ordered by it. busy / unprofiled wall well below 1 means the GPU waits
-for the host (launch or scheduling gaps), not for memory.
+time) says where the step's time goes, and the table is ordered by it. busy / unprofiled wall well below 1 means the GPU
+waits for the host (launch or scheduling gaps), not for memory.
 """
 from __future__ import annotations
 
@@ -492,17 +492,17 @@ def format_profiles(profiles: list[dict], top: int = 15) -> str:
         lines += _idle_lines(p, "step")
         if p.get("host_us_per_step"):
             h = p["host_us_per_step"]
-            lines.append("  host per step (unprofiled): " + ", ".join(f"{k} {h[k]:.0f}" for k in HOST_PHASES if k != "wait")
-                         + f" us; waiting for the GPU {h['wait']:.0f} us")
+            phases = ", ".join(f"{k} {h[k]:.0f}" for k in HOST_PHASES if k != "wait")
+            lines.append(f"  host per step (unprofiled): {phases} us; waiting for the GPU {h['wait']:.0f} us")
         if p.get("gpu_us_per_step") is not None:
-            lines.append(f"  GPU per step (timing events, unprofiled): launch -> step end {p['gpu_us_per_step']:.0f} us, "
-                         f"launch -> next launch {p['gpu_period_us']:.0f} us")
+            lines.append(f"  GPU per step (timing events, unprofiled): launch -> step end {p['gpu_us_per_step']:.0f} "
+                         f"us, launch -> next launch {p['gpu_period_us']:.0f} us")
         pp = p.get("prompt_phase")
         if pp:
+            busy = pp['gpu_busy_us_per_step'] / 1e3 if pp['gpu_busy_us_per_step'] is not None else None
             lines.append(f"  prompt phase ({p['concurrency']} x {p['input_len']} tokens, {pp['engine_steps']} engine "
                          f"steps, under the profiler): wall {_f(pp['wall_us_per_step'] / 1e3, '.2f')} ms, GPU busy "
-                         f"{_f(pp['gpu_busy_us_per_step'] / 1e3 if pp['gpu_busy_us_per_step'] is not None else None, '.2f')}"
-                         f" ms, {_f(pp['kernels_per_step'], '.0f')} GPU ops")
+                         f"{_f(busy, '.2f')} ms, {_f(pp['kernels_per_step'], '.0f')} GPU ops")
             lines += _kernel_table(pp["kernels"], top, "phase")
             lines += _idle_lines(pp, "phase")
     return "\n".join(lines)
