@@ -229,7 +229,8 @@ class ClientRunner:
 
     async def _run_source(self, plan: Plan, run: str, source: RequestSource) -> RunResult:
         """C workers each send the source's next request as soon as theirs ends (a multi-turn conversation's next
-        turn waits for its answer: a worker with none ready waits for another's to end)."""
+        turn waits for its answer: a worker with none ready waits for another's to end; a request with an arrival
+        time waits for it)."""
         before = await self._server_counters()
         ready = asyncio.Condition()
         done: list[tuple[RequestTiming, Optional[int]]] = []
