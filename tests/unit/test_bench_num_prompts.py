@@ -156,7 +156,7 @@ def test_client_sends_n_with_c_workers(rate):
     if rate != float("inf"):  # each sent no earlier than its arrival time (after the first)
         due = {tuple(r.prompt): r.not_before for r in work.requests}
         for p, t in zip(prompts, sent):
-            assert t - sent[0] >= due[tuple(p)] - 0.02  # (the first send's own delay after the start)
+            assert t - sent[0] >= due[tuple(p)] - 0.04  # (the first send's own delay after the start)
     assert len(run.requests) == 5 and run.workload == {"num_prompts": 5, "max_concurrency": 2}
     assert run.side == "client" and run.metrics()["output_tok_s"] > 0
 
@@ -209,7 +209,7 @@ def test_request_rate_under_the_concurrency_cap(tmp_path):
         start = min(r["arrival"] for r in reqs)
         want = make_workload(plan, 512, _run_seed(plan, 0, 0 if run["run"] == "cold" else 1), 5).arrivals
         for r, due in zip(reqs, want):
-            assert r["arrival"] - start >= due - 1e-3, (r, due)  # never before its time
+            assert r["arrival"] - start >= due - 0.02, (r, due)  # never before its time (less the first add's delay)
         for i in range(2, 5):  # never more than 2 in flight
             assert sum(q["last_token"] <= reqs[i]["arrival"] for q in reqs[:i]) >= i - 1
         assert run["request_rate"] == 20.0 and run["workload"]["num_prompts"] == 5
