@@ -117,6 +117,18 @@ def test_many_valued_flags_with_their_own_values(argv):
     check_server_flags(_serve_args(argv))
 
 
+def test_disable_frontend_multiprocessing_is_accepted():
+    """vLLM's --disable-frontend-multiprocessing (older launch scripts pass it) parses, before or after MODEL, and
+    changes nothing: the MODEL after it stays the model."""
+    from voltllm.entrypoints.openai.cli_serve import check_server_flags
+
+    for argv in (["--disable-frontend-multiprocessing", "m"], ["m", "--disable-frontend-multiprocessing"]):
+        args = _serve_args(argv)
+        assert args.disable_frontend_multiprocessing is True and args.model == "m"
+        check_server_flags(args)
+    assert _serve_args(["m"]).disable_frontend_multiprocessing is False
+
+
 def test_config_file_flags_under_the_command_line(tmp_path):
     """`--config FILE.yaml` (vLLM's): keys with dashes or underscores, booleans, lists, mappings; the command line
     wins; bad files are refused by name."""

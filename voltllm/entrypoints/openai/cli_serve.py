@@ -98,6 +98,9 @@ def add_parser(subparsers: Any, help: str) -> argparse.ArgumentParser:
                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                    "VLLM_ALLOW_RUNTIME_LORA_UPDATING; needs --enable-lora): clients load adapters from paths on this "
                    "machine")
+    s.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="accepted for vLLM compatibility: as in vLLM V1, the server holds the engine client and the "
+                        "engine runs in its own process either way")
     s.add_argument("--engine-ready-timeout", type=float, default=None,
                    help="seconds to wait for the engine to load before giving up (default: no limit)")
     p.set_defaults(func=run_serve)
