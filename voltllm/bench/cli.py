@@ -145,7 +145,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warm", type=int, default=3, help="warm runs after the one cold run")
     g.add_argument("--percentile-metrics", type=_latency_metrics, default=None, metavar="ttft,tpot,itl,e2el",
                    help="--scenario concurrency / random-mm: the latencies whose percentiles the table reports (vLLM's "
-                        "flag; default ttft,tpot,itl; e2el: first request token sent -> last token)")
+                        "flag; default ttft,tpot,itl; e2el: request sent -> its last token)")
     g.add_argument("--metric-percentiles", type=_percentiles, default=None, metavar="Q[,Q...]",
                    help="the percentiles of --percentile-metrics, in (0, 100] (vLLM's flag; default 99; 50: the "
                         "median)")
@@ -157,7 +157,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts (and sampling seeds)")
     g.add_argument("--name", default=None, help="result file name without .json (default: model-dtype-scenario-time); "
                    "vLLM's --result-filename NAME.json is taken as --name NAME")
-    g.add_argument("--result-filename", default=None, help=argparse.SUPPRESS)
+    g.add_argument("--result-filename", default=None, metavar="NAME.json",
+                   help="vLLM's spelling of --name: the result file's name in --output-dir (--result-dir)")
     g.add_argument("--output-dir", "--result-dir", default=os.path.join("benchmarks", "results"),
                    help="where the result file goes (default benchmarks/results)")
     g.add_argument("--save-result", action="store_true",
