@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s167b    (session 67) 8B at 64 in flight: one batch vs 320 requests streamed at fixed / spread lengths
 #   s167     (for session 67) eager_gemm_host_cost.py (Triton vs cuBLAS launches' host cost), the compat engine test
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
 set -uo pipefail
@@ -1682,6 +1683,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 240 python3 benchmarks/micro/eager_gemm_host_cost.py 200 2>&1 | grep -v -i warn | tee "$out/eager-gemm-host-cost.txt"
     gpu_file test_engine_gpu 200 -s -k "compat_route or graphs_equal_eager or small_weight"
     grep -E "flip" "$out/test_engine_gpu.txt"
+    ;;
+  s167b)  # (session 67) sustained load at 64 in flight: one batch of 64 x 128/128 (#4's protocol) vs 320 requests
+          # streamed at fixed 128/128 (vLLM's default --random-range-ratio 0) and at lengths spread 64-192 (ratio 0.5)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
+    for rr in 0 0.5; do
+      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
+        --input-len 128 --output-len 128 --random-range-ratio $rr --num-warm 2 \
+        --name qwen3-8b-shape-fp16-c64-n320-rr$rr-$sha > "$out/stream-rr$rr.log" 2>&1
+      echo "== streamed, range ratio $rr"; grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream-rr$rr.log"
+    done
     ;;
   s166b)  # (session 66) the concurrency scenario's --num-prompts on the GPU: the 8B at 64 in flight, lengths spread
           # 64-192 (--random-range-ratio 0.5), one batch of 64 vs 320 requests streamed (the next sent when one ends)
