@@ -2,7 +2,8 @@
 and the concurrency scenario given --num-prompts.
 
 A request is added when a slot frees (the moment its predecessor's last token returns; a request with an arrival time,
---request-rate with --num-prompts, not before that time) and stamped with that time, so TTFT counts from it; a multi-turn conversation's next turn is built from the answer's token ids as soon as it ends.
+--request-rate with --num-prompts, not before that time) and stamped with that time, so TTFT counts from it; a
+multi-turn conversation's next turn is built from the answer's token ids as soon as it ends.
 Cache hits are the engine's own per-request count (num_cached_tokens: GPU-pool and CPU-tier blocks together); the CPU
 tier's share is the engine's external_prefix_cache_hits counter over the run (vLLM's KV-connector counter, counted
 by the lookup that admits each request).
