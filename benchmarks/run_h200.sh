@@ -1689,11 +1689,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
-    for rr in 0 0.5; do
+    # streamed: the default token budget, then 256 tokens a step (prompts chunked in beside the decodes, so fixed
+    # lengths need not finish in waves), then spread lengths; each while the call has time
+    for v in "0 8192" "0 256" "0.5 8192"; do
+      set -- $v
+      (( SECONDS < 430 )) || break
       bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
-        --input-len 128 --output-len 128 --random-range-ratio $rr --num-warm 2 \
-        --name qwen3-8b-shape-fp16-c64-n320-rr$rr-$sha > "$out/stream-rr$rr.log" 2>&1
-      echo "== streamed, range ratio $rr"; grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream-rr$rr.log"
+        --input-len 128 --output-len 128 --random-range-ratio $1 --max-num-batched-tokens $2 --num-warm 2 \
+        --name qwen3-8b-shape-fp16-c64-n320-rr$1-mnbt$2-$sha > "$out/stream-rr$1-mnbt$2.log" 2>&1
+      echo "== streamed, range ratio $1, --max-num-batched-tokens $2"
+      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream-rr$1-mnbt$2.log"
     done
     ;;
   s166b)  # (session 66) the concurrency scenario's --num-prompts on the GPU: the 8B at 64 in flight, lengths spread
