@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s167c    (session 67) the compat engine test, then s167b, then the eager GEMM host-cost micro
 #   s167b    (session 67) 8B at 64 in flight: one batch vs 320 requests streamed at fixed / spread lengths
 #   s167     (for session 67) eager_gemm_host_cost.py (Triton vs cuBLAS launches' host cost), the compat engine test
 #   s141dp   (session 50; kind nvidia-h200-x2) tests/gpu/test_data_parallel_gpu.py: an engine on cuda:1, a -dp 2 server
@@ -283,6 +284,22 @@ bench_via() {  # bench_via ENTRY [bench args]: `ENTRY bench ...` (ENTRY word-spl
     | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
 }
 bench() { bench_via "python3 -m voltllm.cli" "$@"; }
+stage_s167b() {  # s167b's benchmarks (below)
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
+    # streamed: 256 tokens a step (prompts chunked in beside the decodes, so fixed lengths need not finish in
+    # waves), then the default token budget, then spread lengths; each while the call has time
+    for v in "0 256" "0 8192" "0.5 8192"; do
+      set -- $v
+      (( SECONDS < 430 )) || break
+      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
+        --input-len 128 --output-len 128 --random-range-ratio $1 --max-num-batched-tokens $2 --num-warm 2 \
+        --name qwen3-8b-shape-fp16-c64-n320-rr$1-mnbt$2-$sha > "$out/stream-rr$1-mnbt$2.log" 2>&1
+      echo "== streamed, range ratio $1, --max-num-batched-tokens $2"
+      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream-rr$1-mnbt$2.log"
+    done
+}
 gdn_ab() {  # gdn_ab SUFFIX [SWEEP_VARIANTS]: the GDN chunk-kernel sweep (when variants are given), then the 27B
   # 8K / 32K prefill A/B (tensor-core route vs the exact route) in one engine; files named with SUFFIX
   if [ -n "${2:-}" ]; then
@@ -1684,22 +1701,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_file test_engine_gpu 200 -s -k "compat_route or graphs_equal_eager or small_weight"
     grep -E "flip" "$out/test_engine_gpu.txt"
     ;;
+  s167c)  # (session 67, one call for the scarce device) the rewritten compat engine test, then s167b's benchmarks
+          # while time is left, then the eager GEMM host-cost micro if any is left
+    gpu_file test_engine_gpu 200 -s -k "compat_route"
+    grep -E "flip" "$out/test_engine_gpu.txt"
+    stage_s167b
+    if (( SECONDS < 480 )); then
+      timeout $((570 - SECONDS)) python3 benchmarks/micro/eager_gemm_host_cost.py 100 2>&1 | grep -v -i warn \
+        | tee "$out/eager-gemm-host-cost.txt"
+    fi
+    ;;
   s167b)  # (session 67) sustained load at 64 in flight: one batch of 64 x 128/128 (#4's protocol) vs 320 requests
           # streamed at fixed 128/128 (vLLM's default --random-range-ratio 0) and at lengths spread 64-192 (ratio 0.5)
-    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-      --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
-    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
-    # streamed: the default token budget, then 256 tokens a step (prompts chunked in beside the decodes, so fixed
-    # lengths need not finish in waves), then spread lengths; each while the call has time
-    for v in "0 8192" "0 256" "0.5 8192"; do
-      set -- $v
-      (( SECONDS < 430 )) || break
-      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
-        --input-len 128 --output-len 128 --random-range-ratio $1 --max-num-batched-tokens $2 --num-warm 2 \
-        --name qwen3-8b-shape-fp16-c64-n320-rr$1-mnbt$2-$sha > "$out/stream-rr$1-mnbt$2.log" 2>&1
-      echo "== streamed, range ratio $1, --max-num-batched-tokens $2"
-      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream-rr$1-mnbt$2.log"
-    done
+    stage_s167b
     ;;
   s166b)  # (session 66) the concurrency scenario's --num-prompts on the GPU: the 8B at 64 in flight, lengths spread
           # 64-192 (--random-range-ratio 0.5), one batch of 64 vs 320 requests streamed (the next sent when one ends)
