@@ -292,7 +292,7 @@ stage_s167b() {  # s167b's benchmarks (below)
     # waves), then the default token budget, then spread lengths; each while the call has time
     for v in "0 256" "0 8192" "0.5 8192"; do
       set -- $v
-      (( SECONDS < 430 )) || break
+      (( SECONDS < ${S167_LAST:-430} )) || break
       bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
         --input-len 128 --output-len 128 --random-range-ratio $1 --max-num-batched-tokens $2 --num-warm 2 \
         --name qwen3-8b-shape-fp16-c64-n320-rr$1-mnbt$2-$sha > "$out/stream-rr$1-mnbt$2.log" 2>&1
@@ -1703,11 +1703,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     ;;
   s167c)  # (session 67, one call for the scarce device) the rewritten compat engine test, then s167b's benchmarks
           # while time is left, then the eager GEMM host-cost micro if any is left
-    gpu_file test_engine_gpu 200 -s -k "compat_route"
+    gpu_file test_engine_gpu 150 -s -k "compat_route"
     grep -E "flip" "$out/test_engine_gpu.txt"
-    stage_s167b
-    if (( SECONDS < 480 )); then
-      timeout $((570 - SECONDS)) python3 benchmarks/micro/eager_gemm_host_cost.py 100 2>&1 | grep -v -i warn \
+    S167_LAST=280 stage_s167b
+    if (( SECONDS < 330 )); then
+      timeout $((400 - SECONDS)) python3 benchmarks/micro/eager_gemm_host_cost.py 100 2>&1 | grep -v -i warn \
         | tee "$out/eager-gemm-host-cost.txt"
     fi
     ;;
