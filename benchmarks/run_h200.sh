@@ -1705,9 +1705,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # while time is left, then the eager GEMM host-cost micro if any is left
     gpu_file test_engine_gpu 150 -s -k "compat_route"
     grep -E "flip" "$out/test_engine_gpu.txt"
-    S167_LAST=280 stage_s167b
-    if (( SECONDS < 330 )); then
-      timeout $((400 - SECONDS)) python3 benchmarks/micro/eager_gemm_host_cost.py 100 2>&1 | grep -v -i warn \
+    S167_LAST=200 stage_s167b
+    if (( SECONDS < 260 )); then
+      timeout $((340 - SECONDS)) python3 benchmarks/micro/eager_gemm_host_cost.py 100 2>&1 | grep -v -i warn \
         | tee "$out/eager-gemm-host-cost.txt"
     fi
     ;;
