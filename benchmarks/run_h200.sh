@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s167d    (session 67) the compat engine test, 320 requests streamed at 256 tokens a step, the one batch
 #   s167c    (session 67) the compat engine test, then s167b, then the eager GEMM host-cost micro
 #   s167b    (session 67) 8B at 64 in flight: one batch vs 320 requests streamed at fixed / spread lengths
 #   s167     (for session 67) eager_gemm_host_cost.py (Triton vs cuBLAS launches' host cost), the compat engine test
@@ -1700,6 +1701,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 240 python3 benchmarks/micro/eager_gemm_host_cost.py 200 2>&1 | grep -v -i warn | tee "$out/eager-gemm-host-cost.txt"
     gpu_file test_engine_gpu 200 -s -k "compat_route or graphs_equal_eager or small_weight"
     grep -E "flip" "$out/test_engine_gpu.txt"
+    ;;
+  s167d)  # (session 67, the last of its device time) the compat engine test, then 320 requests streamed at 256 tokens
+          # a step, then the one batch if time is left
+    gpu_file test_engine_gpu 120 -s -k "compat_route"
+    grep -E "flip" "$out/test_engine_gpu.txt"
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
+      --input-len 128 --output-len 128 --max-num-batched-tokens 256 --num-warm 2 \
+      --name qwen3-8b-shape-fp16-c64-n320-mnbt256-$sha > "$out/stream-mnbt256.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot|request_th)" "$out/stream-mnbt256.log"
+    if (( SECONDS < 200 )); then
+      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
+      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
+    fi
     ;;
   s167c)  # (session 67, one call for the scarce device) the rewritten compat engine test, then s167b's benchmarks
           # while time is left, then the eager GEMM host-cost micro if any is left
