@@ -285,20 +285,26 @@ bench_via() {  # bench_via ENTRY [bench args]: `ENTRY bench ...` (ENTRY word-spl
     | grep -E -A30 "GEMM choice|^voltllm bench|^limits|^profile |Error|error" | head -90
 }
 bench() { bench_via "python3 -m voltllm.cli" "$@"; }
-stage_s167b() {  # s167b's benchmarks (below)
+c64_batch() {  # #4's case: one batch of 64 x 128/128
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
+}
+c64_stream() {  # c64_stream RANGE_RATIO BUDGET: 320 requests of 128/128 (spread by the ratio), 64 in flight, the
+    # next sent as one ends, at --max-num-batched-tokens BUDGET
+    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
+      --input-len 128 --output-len 128 --random-range-ratio $1 --max-num-batched-tokens $2 --num-warm 2 \
+      --name qwen3-8b-shape-fp16-c64-n320-rr$1-mnbt$2-$sha > "$out/stream-rr$1-mnbt$2.log" 2>&1
+    echo "== streamed, range ratio $1, --max-num-batched-tokens $2"
+    grep -E "^(concurrent|output_tok|ttft|tpot|request_th)" "$out/stream-rr$1-mnbt$2.log"
+}
+stage_s167b() {  # s167b's benchmarks (below)
+    c64_batch
     # streamed: 256 tokens a step (prompts chunked in beside the decodes, so fixed lengths need not finish in
     # waves), then the default token budget, then spread lengths; each while the call has time
     for v in "0 256" "0 8192" "0.5 8192"; do
-      set -- $v
       (( SECONDS < ${S167_LAST:-430} )) || break
-      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
-        --input-len 128 --output-len 128 --random-range-ratio $1 --max-num-batched-tokens $2 --num-warm 2 \
-        --name qwen3-8b-shape-fp16-c64-n320-rr$1-mnbt$2-$sha > "$out/stream-rr$1-mnbt$2.log" 2>&1
-      echo "== streamed, range ratio $1, --max-num-batched-tokens $2"
-      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/stream-rr$1-mnbt$2.log"
+      c64_stream $v
     done
 }
 gdn_ab() {  # gdn_ab SUFFIX [SWEEP_VARIANTS]: the GDN chunk-kernel sweep (when variants are given), then the 27B
@@ -1706,15 +1712,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
           # a step, then the one batch if time is left
     gpu_file test_engine_gpu 120 -s -k "compat_route"
     grep -E "flip" "$out/test_engine_gpu.txt"
-    bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
-      --input-len 128 --output-len 128 --max-num-batched-tokens 256 --num-warm 2 \
-      --name qwen3-8b-shape-fp16-c64-n320-mnbt256-$sha > "$out/stream-mnbt256.log" 2>&1
-    grep -E "^(concurrent|output_tok|ttft|tpot|request_th)" "$out/stream-mnbt256.log"
-    if (( SECONDS < 200 )); then
-      bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
-      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
-    fi
+    c64_stream 0 256
+    if (( SECONDS < 200 )); then c64_batch; fi
     ;;
   s167c)  # (session 67, one call for the scarce device) the rewritten compat engine test, then s167b's benchmarks
           # while time is left, then the eager GEMM host-cost micro if any is left
