@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s168     (session 68) 320 requests streamed at 64 in flight at token budgets 384 / 192 / 512
 #   s167d    (session 67) the compat engine test, 320 requests streamed at 256 tokens a step, the one batch
 #   s167c    (session 67) the compat engine test, then s167b, then the eager GEMM host-cost micro
 #   s167b    (session 67) 8B at 64 in flight: one batch vs 320 requests streamed at fixed / spread lengths
@@ -1707,6 +1708,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 240 python3 benchmarks/micro/eager_gemm_host_cost.py 200 2>&1 | grep -v -i warn | tee "$out/eager-gemm-host-cost.txt"
     gpu_file test_engine_gpu 200 -s -k "compat_route or graphs_equal_eager or small_weight"
     grep -E "flip" "$out/test_engine_gpu.txt"
+    ;;
+  s168)  # (session 68) the token budget per step for 320 requests streamed at 64 in flight (fixed 128 / 128):
+          # 192 / 384 / 512 beside s167c's 256 / 8192, (the default budget and 256 are in s167c)
+    for b in 384 192 512; do (( SECONDS < 400 )) && c64_stream 0 $b; done
     ;;
   s167d)  # (session 67, the last of its device time) the compat engine test, then 320 requests streamed at 256 tokens
           # a step, then the one batch if time is left
