@@ -262,7 +262,7 @@
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
 #   s168b    (session 68) streamed at 256 tokens a step, the one batch, the compat engine test, streamed at 8192 / 384
-#   s168     (session 68) 320 requests streamed at 64 in flight at token budgets 384 / 192 / 512
+#   s168     (session 68) 320 requests streamed at 64 in flight at token budgets 128 / 192, then the one batch
 #   s167d    (session 67) the compat engine test, 320 requests streamed at 256 tokens a step, the one batch
 #   s167c    (session 67) the compat engine test, then s167b, then the eager GEMM host-cost micro
 #   s167b    (session 67) 8B at 64 in flight: one batch vs 320 requests streamed at fixed / spread lengths
@@ -1719,8 +1719,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     for b in 8192 384; do (( SECONDS < 430 )) && c64_stream 0 $b; done
     ;;
   s168)  # (session 68) the token budget per step for 320 requests streamed at 64 in flight (fixed 128 / 128):
-          # 192 / 384 / 512 beside s167c's 256 / 8192, (the default budget and 256 are in s167c)
-    for b in 384 192 512; do (( SECONDS < 400 )) && c64_stream 0 $b; done
+          # 128 / 192 (s168b ran 256 / 384 / 8192: mixed steps of 64 decodes + 192 prompt tokens are compute-bound)
+    for b in 128 192; do (( SECONDS < 400 )) && c64_stream 0 $b; done
+    if (( SECONDS < 330 )); then c64_batch; fi
     ;;
   s167d)  # (session 67, the last of its device time) the compat engine test, then 320 requests streamed at 256 tokens
           # a step, then the one batch if time is left
