@@ -34,22 +34,48 @@ def test_gpu_fp32_matches_cpu(tiny):
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_graphs_equal_eager_and_async_equals_sync(tiny, dtype):
-    eager = LLM(tiny, device="cuda", dtype=dtype, enforce_eager=True, async_scheduling=False,
-                gpu_memory_utilization=0.3)
-    ref = _greedy(eager)
-    del eager
+    # prompt graphs off: they pad the step's tokens (other GEMM shapes, so other half-precision rounding that a
+    # random tiny model's near-ties amplify); test_prompt_graphs_equal_eager_prompt_steps covers them
+    sync = LLM(tiny, device="cuda", dtype=dtype, async_scheduling=False, gpu_memory_utilization=0.3)
+    sync.engine.runner.prompt_graphs = None
+    ref = _greedy(sync)
+    assert sync.engine.runner.graphs.replays > 0
+    # the same engine's eager steps run the kernels its decode graphs captured (the tuned decode-batch GEMMs);
+    # an --enforce-eager engine keeps cuBLAS for them instead (test_enforce_eager_keeps_cublas)
+    sync.engine.runner.graphs = None
+    eager = _greedy(sync)
+    sync.engine.check_integrity()
+    del sync
     fast = LLM(tiny, device="cuda", dtype=dtype, gpu_memory_utilization=0.3)
-    # decode graphs run the eager decode's kernels; prompt graphs pad the step's tokens (other GEMM shapes, so other
-    # half-precision rounding that a random tiny model's near-ties amplify): test_prompt_graphs_equal_eager_prompt_steps
     fast.engine.runner.prompt_graphs = None
     got = _greedy(fast)
-    agree = sum(a == b for x, y in zip(ref, got) for a, b in zip(x, y)) / sum(len(x) for x in ref)
-    assert agree >= 0.97, agree  # half precision: graphs/eager order kernels identically, allow rare ties
+
+    def agree(x, y):
+        return sum(a == b for p, q in zip(x, y) for a, b in zip(p, q)) / sum(len(p) for p in x)
+
+    assert agree(ref, eager) >= 0.97, agree(ref, eager)  # half precision: allow rare ties
+    assert agree(ref, got) >= 0.97, agree(ref, got)  # (two engines: each times its own GEMM choices)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=16)
     a = fast.generate(PROMPTS, seeded)
     b = fast.generate(PROMPTS, seeded)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     fast.engine.check_integrity()
+
+
+def test_enforce_eager_keeps_cublas(tiny):
+    """--enforce-eager: no decode-batch Triton GEMM is chosen (its launches cost the host 2.5-5x cuBLAS's, and an
+    eager step waits on the host), while a graph engine of the same model takes it for some projection."""
+    def chosen(llm):
+        model = llm.engine.runner.model
+        return len(model.logits_batch or {}) + sum(len(m.batch_gemm) + len(m.batch_gated) for m in model.modules()
+                                                   if hasattr(m, "batch_gemm"))
+
+    eager = LLM(tiny, device="cuda", dtype="float16", enforce_eager=True, gpu_memory_utilization=0.3)
+    assert eager.engine.runner.graphs is None and chosen(eager) == 0
+    assert len(_greedy(eager, n=8)) == len(PROMPTS)
+    del eager
+    graphs = LLM(tiny, device="cuda", dtype="float16", gpu_memory_utilization=0.3)
+    assert chosen(graphs) > 0
 
 
 # a greedy flip between two half-precision routes is allowed only where the reference's top two logits nearly tie:
@@ -139,13 +165,13 @@ def _prompt_step_results(llm, prompts, sp):
                                              ("float16", "auto", "sm70")])
 def test_prompt_graphs_equal_eager_prompt_steps(tiny, dtype, kv, compat):
     """Prompt steps replayed from piecewise CUDA graphs (voltllm.worker.prompt_graphs: graphs between eager
-    attention calls, tokens padded to a power of two from 16) give the tokens and prompt logprobs of eager prompt steps: prompts
-    of 1 to ~280 tokens alone and together in one step, and a prefix-cache hit. fp8 KV: K / V are stored by the
-    backend's write inside each piece instead of the RoPE launch. --compat sm70: the eager attention between the
-    pieces is the bridge + SDPA prefill (and the FMA decode kernel for a mixed step's decode rows). Padding changes the GEMMs' row counts (so their
-    rounding): fp32 must give the same tokens, half precision close prompt logprobs (bf16 keeps 8 bits) and, for
-    fp16, nearly the same tokens (bf16's rare rounding flips on this random model's near-ties change whole
-    continuations, so its tokens are not compared)."""
+    attention calls, tokens padded to a power of two from 16) give the tokens and prompt logprobs of eager prompt
+    steps: prompts of 1 to ~280 tokens alone and together in one step, and a prefix-cache hit. fp8 KV: K / V are
+    stored by the backend's write inside each piece instead of the RoPE launch. --compat sm70: the eager attention
+    between the pieces is the bridge + SDPA prefill (and the FMA decode kernel for a mixed step's decode rows).
+    Padding changes the GEMMs' row counts (so their rounding): fp32 must give the same tokens, half precision close
+    prompt logprobs (bf16 keeps 8 bits) and, for fp16, nearly the same tokens (bf16's rare rounding flips on this
+    random model's near-ties change whole continuations, so its tokens are not compared)."""
     import torch
 
     from voltllm.worker.prompt_graphs import prompt_graph_sizes

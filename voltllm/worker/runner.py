@@ -1160,8 +1160,11 @@ class ModelRunner:
                 tune_skinny_gemm(model)  # sets each Linear's choice
             self._tune_quant_tiles()
             # decode batches run at the CUDA-graph sizes; the compat route keeps cuBLAS (on sm_70/75 the
-            # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores)
-            if self.config.device.compat == "none":
+            # batch GEMM's tl.dot is CUDA-core FMA, and --compat on a newer GPU must not time tensor cores).
+            # Without decode graphs (--enforce-eager) every step is launched by the host, and a Triton tile's launch
+            # costs it 39-66 us against cuBLAS's 13-16 at the same GPU time (H100, 8B shapes, 3-64 rows,
+            # results/session68/eager-gemm-host-cost-h100.txt): cuBLAS there too
+            if self.config.device.compat == "none" and not self.config.device.enforce_eager:
                 for model in models:
                     tune_batch_gemm(model, decode_capture_sizes(self.config.scheduler.max_num_seqs,
                                                                 self.config.device.cuda_graphs))
