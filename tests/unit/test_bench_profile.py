@@ -148,6 +148,22 @@ def test_host_timings_of_every_plan_run_before_the_first_profiler(monkeypatch):
     assert [p["concurrency"] for p in out] == [1, 2]
 
 
+def test_the_profiled_prompt_phase_computes_its_prompts(monkeypatch):
+    """The host timing runs before the profile and must not warm the prefix cache with the profile's prompts (a
+    profiled prompt phase of cache hits computed only each prompt's last token): their first blocks differ."""
+    from voltllm.bench import profile as P
+    from voltllm.bench.inprocess import Plan
+
+    seen = {}
+    monkeypatch.setattr(P, "time_host_phases", lambda eng, plan, prompts, *a, **k: seen.update(host=prompts) or {})
+    monkeypatch.setattr(P, "profile_plan", lambda eng, plan, prompts, *a: seen.update(profile=prompts) or {})
+    engine = type("E", (), {"config": type("C", (), {"scheduler": type("S", (), {"max_num_seqs": 8})()})()})()
+    P.profile_plans(engine, [Plan("concurrency", 4, 40, 2)], vocab=32000, seed=0, steps=2)
+    host, prof = seen["host"], seen["profile"]
+    assert [len(p) for p in host] == [len(p) for p in prof] == [40] * 4
+    assert not {tuple(p[:16]) for p in host} & {tuple(p[:16]) for p in prof}
+
+
 def test_host_phase_timer_restores_the_engine():
     from voltllm.bench.profile import HostPhaseTimer
 

@@ -425,14 +425,17 @@ def profile_plans(engine: Any, plans: Sequence[Plan], vocab: int, seed: int, ste
         if plan.concurrency > max_seqs:  # some requests would wait for others to finish: not one decode batch
             logger.warning("not profiling concurrency %d > --max-num-seqs %d", plan.concurrency, max_seqs)
             continue
-        # the measured runs' prompt lengths (spread by --random-range-ratio); every request decodes the same steps
-        chosen.append((plan, make_workload(plan, vocab, prompt_seed(seed, plan, 10_000)).prompts))
+        # the measured runs' prompt lengths (spread by --random-range-ratio); every request decodes the same steps.
+        # The host timing draws its own prompts: with the profile's, their blocks would be prefix-cache hits by the
+        # time the profile's prompt phase runs, which would then compute only each prompt's last token
+        chosen.append((plan, make_workload(plan, vocab, prompt_seed(seed, plan, 10_000)).prompts,
+                       make_workload(plan, vocab, prompt_seed(seed, plan, 10_001)).prompts))
     hosts = []
-    for plan, prompts in chosen:
+    for plan, _, host_prompts in chosen:
         logger.info("timing the host's phases: %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
-        hosts.append(time_host_phases(engine, plan, prompts, steps, temperature, top_p, top_k, seed))
+        hosts.append(time_host_phases(engine, plan, host_prompts, steps, temperature, top_p, top_k, seed))
     out = []
-    for (plan, prompts), host in zip(chosen, hosts):
+    for (plan, prompts, _), host in zip(chosen, hosts):
         logger.info("profiling %s c=%d (%d steps)", plan.scenario, plan.concurrency, steps)
         trace = f"{trace_prefix}-{plan.scenario}-c{plan.concurrency}.trace.json.gz" if trace_prefix else None
         out.append(profile_plan(engine, plan, prompts, steps, temperature, top_p, top_k, seed, trace, host))
