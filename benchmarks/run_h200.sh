@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s168e    (session 68) s168c's two engine tests alone
 #   s168c    (session 68) the eager / graph engine tests, eager_decode_gemm_ab.py, streamed at budgets 128 / 192
 #   s168b    (session 68) streamed at 256 tokens a step, the one batch, the compat engine test, streamed at 8192 / 384
 #   s168     (session 68) 320 requests streamed at 64 in flight at token budgets 128 / 192, then the one batch
@@ -1710,6 +1711,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 240 python3 benchmarks/micro/eager_gemm_host_cost.py 200 2>&1 | grep -v -i warn | tee "$out/eager-gemm-host-cost.txt"
     gpu_file test_engine_gpu 200 -s -k "compat_route or graphs_equal_eager or small_weight"
     grep -E "flip" "$out/test_engine_gpu.txt"
+    ;;
+  s168e)  # (session 68, its last device seconds) the reworked graph-vs-eager engine test and the --enforce-eager one
+    gpu_file test_engine_gpu 160 -s -k "graphs_equal_eager or enforce_eager_keeps"
     ;;
   s168c)  # (session 68) --enforce-eager keeps cuBLAS for decode batches: the engine tests, the eager A/B, then s168
     gpu_file test_engine_gpu 200 -s -k "graphs_equal_eager or enforce_eager_keeps or compat_route"
