@@ -9,6 +9,11 @@ overhead: the decode step of the 8B at 64 rows is memory-bound (~5 ms), its prom
 power-capped matmul rate (~620 TFLOP/s on the H200: 187 ms for 64 x 128 tokens). The defaults are those figures
 (benchmarks/README.md); it prints predicted output tok/s per budget for 320 and 1,000 requests. A prediction to
 choose what to measure, not a measurement.
+
+Measured, it was wrong (session 68, H100, results/session68/): 320 requests at a budget of 256 gave 7,609 output
+tok/s against 7,621 for the one batch and 7,586 at the default budget, and 384 gave 7,021. The max() above assumes a
+step's prompt work hides under its weight read; the GEMMs of a step with ~64 decode and up to 192 prompt rows
+do not overlap the two, so the prompt work is paid in full.
 """
 import argparse
 
