@@ -1717,7 +1717,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     ;;
   s168c)  # (session 68) --enforce-eager keeps cuBLAS for decode batches: the engine tests, the eager A/B, then s168
     gpu_file test_engine_gpu 200 -s -k "graphs_equal_eager or enforce_eager_keeps or compat_route"
-    timeout 200 python3 benchmarks/micro/eager_decode_gemm_ab.py 2>&1 | grep -v -i warn | tail -6 \
+    timeout 200 python3 benchmarks/micro/eager_decode_gemm_ab.py 2>&1 | grep -v -i warn | tail -7 \
       | tee "$out/eager-decode-gemm-ab.txt"
     for b in 128 192; do (( SECONDS < 380 )) && c64_stream 0 $b; done
     ;;

@@ -1,12 +1,13 @@
-"""--enforce-eager decode steps with cuBLAS (the engine's choice since session 68) against the tuned decode-batch
-Triton GEMMs (the choice before), in one engine.
+"""--enforce-eager decode steps with cuBLAS (the engine's choice for decode batches since session 68) against the
+tuned decode-batch Triton GEMMs (the choice before), in one engine; at one row, cuBLAS against the tuned one-row
+GEMV (which an --enforce-eager engine still runs where its tuner times it faster).
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/eager_decode_gemm_ab.py [--shape qwen3-8b-shape] [--concurrency 16 64]
+    PYTHONPATH=$PWD python3 benchmarks/micro/eager_decode_gemm_ab.py [--shape qwen3-8b-shape] [--concurrency 1 16 64]
 
 Random weights of a named shape (as `voltllm bench --random-weights`), an --enforce-eager engine; per concurrency C,
 C requests of 128 random prompt tokens decode together, and the median step time over `--steps` steady decode steps
-is taken first as the engine chose (cuBLAS), then after the decode-batch tuner has set its Triton choices for exactly
-those row counts (what an --enforce-eager engine ran before), then with cuBLAS again. An eager step's time is the
+is taken first with every Triton choice cleared (cuBLAS), then after the tuner has set its Triton choices for exactly
+that row count (the decode-batch tuner; at one row the GEMV tuner), then with cuBLAS again. An eager step's time is the
 larger of the host's launches and the GPU's work, so the host cost of a Triton launch (results/session68/
 eager-gemm-host-cost-h100.txt) shows here."""
 import argparse
@@ -23,8 +24,10 @@ from voltllm.engine.types import EngineCoreRequest
 
 def clear_choices(model) -> None:
     model.logits_batch = None
+    model.logits_skinny = None
     for m in model.modules():
         if hasattr(m, "batch_gemm"):
+            m.skinny, m.skinny_gated = None, False
             m.batch_gemm.clear()
             m.batch_gated.clear()
             m.batch_silu_fused.clear()
@@ -52,10 +55,10 @@ def step_us(eng, concurrency: int, steps: int, tag: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b-shape")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
-    from voltllm.worker.skinny_tuning import tune_batch_gemm
+    from voltllm.worker.skinny_tuning import tune_batch_gemm, tune_skinny_gemm
 
     with tempfile.TemporaryDirectory() as tmp:
         path = materialize(args.shape, tmp)
@@ -68,7 +71,10 @@ def main() -> None:
         for c in args.concurrency:
             clear_choices(model)
             cublas = step_us(eng, c, args.steps, f"a{c}")
-            tune_batch_gemm(model, [c])
+            if c == 1:
+                tune_skinny_gemm(model)
+            else:
+                tune_batch_gemm(model, [c])
             triton = step_us(eng, c, args.steps, f"b{c}")
             clear_choices(model)
             again = step_us(eng, c, args.steps, f"c{c}")
