@@ -1730,7 +1730,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     for b in 8192 384; do (( SECONDS < 430 )) && c64_stream 0 $b; done
     ;;
   s168)  # (session 68) the token budget per step for 320 requests streamed at 64 in flight (fixed 128 / 128):
-          # 128 / 192 (s168b ran 256 / 384 / 8192: mixed steps of 64 decodes + 192 prompt tokens are compute-bound)
+          # 128 / 192 (s168b ran 256 / 384 / 8192 on an H100: no gain, the prompt work was not hidden)
     for b in 128 192; do (( SECONDS < 400 )) && c64_stream 0 $b; done
     if (( SECONDS < 330 )); then c64_batch; fi
     ;;
