@@ -261,6 +261,8 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   parts    (session 69) `parts SHA gpuB gpuF ...`: several gpuX stages in one call, each capped by what is left of
+#            590 s
 #   s168e    (session 68) s168c's two engine tests alone
 #   s168c    (session 68) the eager / graph engine tests, eager_decode_gemm_ab.py, streamed at budgets 128 / 192
 #   s168b    (session 68) streamed at 256 tokens a step, the one batch, the compat engine test, streamed at 8192 / 384
@@ -2269,11 +2271,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
       --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
-  gpuA|gpuB|gpuC|gpuD|gpuE)  # (sessions 32-34) the whole GPU suite on ONE H200 in five calls (carry .whl with
+  gpuA|gpuB|gpuC|gpuD|gpuE|gpuF)  # (sessions 32-34; F: session 69) the whole GPU suite on ONE H200 in five calls (carry .whl with
                    # pytest-xdist; .carry/p0 + p1 for the SmolLM2 cases, else they skip): A kernel files (8 workers),
                    # B engine-level, C hybrid, D speculative, E MTP files (3 workers: every engine takes <= 0.3 of the
                    # card); D spreads single tests over the workers (a file of its outlasts 560 s on one); E runs in
-                   # one process: under 3 workers (session 35) its fp32 MTP cases ran > 5x slower than alone
+                   # one process: under 3 workers (session 35) its fp32 MTP cases ran > 5x slower than alone; F the
+                   # files added after session 45 (the multi-GPU cases among them skip on one card). An optional third
+                   # argument caps the stage's seconds (the parts of one call share its 600)
     workers=3; [ "$stage" = gpuA ] && workers=8
     dist=loadfile; case $stage in gpuA|gpuD) dist=load ;; gpuE) workers=0; dist=no ;; esac
     case $stage in
@@ -2283,13 +2287,25 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
       gpuC) set -- hybrid_gpu quant_hybrids_cuda tensor_parallel_gpu ;;
       gpuD) set -- hybrid_spec_cuda dflash_cuda draft_model_cuda ;;
       gpuE) set -- mtp_cuda ;;
+      gpuF) set -- argmax_cuda compressed_tensors_cuda constrained_speculation_cuda data_parallel_gpu \
+              dflash2_kernels_cuda dynamic_speculation_cuda eagle1_cuda eagle3_cuda gguf_hybrid_cuda gguf_low_bit_cuda \
+              image_input_cuda kv_offload_gpu lora_cuda lora_moe_cuda lora_qwen4_exp_cuda memory_flags_gpu \
+              pipeline_parallel_gpu pooling_cuda profiling_cuda prompt_embeds_cuda qwen4_exp_cuda sleep_mode_gpu \
+              sliding_window_cuda weight_offload_gpu worker_forkserver_cuda ;;
     esac
     files=(); for f in "$@"; do files+=("tests/gpu/test_$f.py"); done
-    timeout 560 python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist $dist -p no:cacheprovider -rfs \
+    timeout "${3:-560}" python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist $dist -p no:cacheprovider -rfs \
       -o addopts="" > "$out/$stage-$sha.txt" 2>&1
     echo "$stage rc=$? $(tail -1 "$out/$stage-$sha.txt")"
     grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$stage-$sha.txt" | sort | uniq -c
     grep -E "^(FAILED|ERROR)" "$out/$stage-$sha.txt" | head
+    ;;
+  parts)  # (session 69) gpuX stages in sequence inside one call's 600 s: `run_h200.sh parts SHA gpuB gpuF`
+    shift 2
+    for part in "$@"; do
+      left=$(( 590 - SECONDS )); (( left < 30 )) && { echo "$part not run: ${left} s left"; continue; }
+      OUT=$out bash "$0" "$part" "$sha" "$left" | grep -v "^$part-.*\.txt$"
+    done
     ;;
   gpuall)  # the whole GPU suite as one pytest run, on the 2-GPU machine (kind nvidia-h200-x2): -n 2 gives each
            # worker one card (tests/gpu_workers.py); ~750 s of tests split over two workers. Carry .carry/p0 and p1
