@@ -2278,7 +2278,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
                    # one process: under 3 workers (session 35) its fp32 MTP cases ran > 5x slower than alone; F the
                    # files added after session 45 (the multi-GPU cases among them skip on one card). An optional third
                    # argument caps the stage's seconds (the parts of one call share its 600)
-    workers=3; [ "$stage" = gpuA ] && workers=8
+    cap=${3:-560}; workers=3; [ "$stage" = gpuA ] && workers=8
     dist=loadfile; case $stage in gpuA|gpuD) dist=load ;; gpuE) workers=0; dist=no ;; esac
     case $stage in
       gpuA) set -- attention_kernels fused_kernels_cuda gdn_conv gdn_decode gemv_cuda quant_dot_cuda quant_half2_cuda \
@@ -2294,7 +2294,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
               sliding_window_cuda weight_offload_gpu worker_forkserver_cuda ;;
     esac
     files=(); for f in "$@"; do files+=("tests/gpu/test_$f.py"); done
-    timeout "${3:-560}" python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist $dist -p no:cacheprovider -rfs \
+    timeout "$cap" python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist $dist -p no:cacheprovider -rfs \
       -o addopts="" > "$out/$stage-$sha.txt" 2>&1
     echo "$stage rc=$? $(tail -1 "$out/$stage-$sha.txt")"
     grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$stage-$sha.txt" | sort | uniq -c
