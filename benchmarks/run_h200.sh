@@ -261,6 +261,8 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   files    (session 69) `files SHA test_a ...`: named GPU files (carry .whl: since session 69 it holds transformers
+#            5.25 and compressed-tensors 0.20.1; the device's own transformers was 5.16 / 5.17, below pyproject's floor)
 #   parts    (session 69) `parts SHA gpuB gpuF ...`: several gpuX stages in one call, each capped by what is left of
 #            590 s
 #   s168e    (session 68) s168c's two engine tests alone
@@ -2299,6 +2301,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     echo "$stage rc=$? $(tail -1 "$out/$stage-$sha.txt")"
     grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$stage-$sha.txt" | sort | uniq -c
     grep -E "^(FAILED|ERROR)" "$out/$stage-$sha.txt" | head
+    ;;
+  files)  # (session 69) `run_h200.sh files SHA test_a test_b ...`: those GPU files, 3 workers, one file per worker
+    shift 2
+    paths=(); for f in "$@"; do paths+=("tests/gpu/$f.py"); done
+    python3 -c "import transformers, compressed_tensors; print('transformers', transformers.__version__)"
+    timeout 560 python3 -m pytest -v -m gpu "${paths[@]}" -n 3 --dist loadfile -p no:cacheprovider -rfs -o addopts="" \
+      > "$out/files-$sha.txt" 2>&1
+    echo "files rc=$? $(tail -1 "$out/files-$sha.txt")"
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/files-$sha.txt" | sort | uniq -c
+    grep -E "^(FAILED|ERROR)" "$out/files-$sha.txt" | head
     ;;
   parts)  # (session 69) gpuX stages in sequence inside one call's 600 s: `run_h200.sh parts SHA gpuB gpuF`
     shift 2

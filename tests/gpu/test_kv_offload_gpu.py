@@ -54,11 +54,13 @@ def test_cpu_tier_hits_equal_gpu_hits(tiny, dtype, kv_cache_dtype, async_schedul
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         if dtype == "float32":  # the same KV: bit for bit
             assert got.outputs[0].logprobs == want.outputs[0].logprobs
-        else:  # fp16 steps of two engines may differ in the last bit of a logit (seen on the H200: 1e-6 in a logprob)
+        else:  # fp16 steps of two engines may differ in the last bit of a logit: each engine's start-up tuner times its
+            # own GEMM choices (seen: 1e-6 in a logprob on the H200, 1.2e-4 on an H100; an fp16 logit near 8 has a last
+            # bit of 0.008). Corrupt offloaded KV would change the tokens, which must be equal above.
             for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
                 (ta, la), = a.items()
                 (tb, lb), = b.items()
-                assert ta == tb and abs(la.logprob - lb.logprob) < 1e-4
+                assert ta == tb and abs(la.logprob - lb.logprob) < 1e-2
 
 
 def test_tensor_parallel_ranks_copy_their_own_heads(tiny):
