@@ -55,6 +55,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "native_only(reason): needs the native route; skipped under --compat sm70|sm75")
+    if not hasattr(config, "workerinput"):  # once, in the controller
+        from dependency_floor import out_of_range, runtime_requirements
+
+        wrong = out_of_range(runtime_requirements())
+        if wrong:
+            pytest.exit("installed packages outside pyproject's ranges (pip install -e . would fix them):\n  "
+                        + "\n  ".join(wrong), returncode=pytest.ExitCode.USAGE_ERROR)
 
 
 def pytest_collection_modifyitems(config, items):
