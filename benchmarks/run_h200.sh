@@ -287,6 +287,16 @@ gpu_file() {  # gpu_file NAME TIMEOUT [pytest args]: one GPU test file, full log
   timeout "$t" python3 -m pytest -q -m gpu "tests/gpu/$f.py" -p no:cacheprovider -rf "$@" > "$out/$f.txt" 2>&1
   echo "$f rc=$? $(tail -1 "$out/$f.txt")"; grep -E "^(FAILED|ERROR)" "$out/$f.txt" | head -5
 }
+gpu_group() {  # gpu_group NAME CAP WORKERS DIST FILE...: GPU test files (names without tests/gpu/ and .py) in one
+               # pytest run under `timeout CAP`; full log in $OUT/NAME-SHA.txt, counts per file and failures printed
+  local name=$1 cap=$2 workers=$3 dist=$4; shift 4
+  local paths=(); for f in "$@"; do paths+=("tests/gpu/$f.py"); done
+  timeout "$cap" python3 -m pytest -v -m gpu "${paths[@]}" -n "$workers" --dist "$dist" -p no:cacheprovider -rfs \
+    -o addopts="" > "$out/$name-$sha.txt" 2>&1
+  echo "$name rc=$? $(tail -1 "$out/$name-$sha.txt")"
+  grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$name-$sha.txt" | sort | uniq -c
+  grep -E "^(FAILED|ERROR)" "$out/$name-$sha.txt" | head
+}
 bench_via() {  # bench_via ENTRY [bench args]: `ENTRY bench ...` (ENTRY word-split), the table and tuner lines kept
   local entry=$1; shift
   $entry bench --commit "$sha" --output-dir "$out" "$@" 2>&1 | grep -v -i warn \
@@ -2273,8 +2283,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     timeout 560 python3 benchmarks/micro/mtp_round.py --target qwen3.5-27b-shape -k 1,2,3 --batch 1 \
       --out "$out/mtp-round-27b-$sha.json" 2>&1 | grep -v -i "warn\|INFO" | tail -6
     ;;
-  gpuA|gpuB|gpuC|gpuD|gpuE|gpuF)  # (sessions 32-34; F: session 69) the whole GPU suite on ONE H200 in five calls (carry .whl with
-                   # pytest-xdist; .carry/p0 + p1 for the SmolLM2 cases, else they skip): A kernel files (8 workers),
+  gpuA|gpuB|gpuC|gpuD|gpuE|gpuF)  # (sessions 32-34; F: session 69) the whole GPU suite on ONE card in six calls
+                   # (carry .whl with pytest-xdist, transformers 5.25 and compressed-tensors; .carry/p0 + p1 for the
+                   # SmolLM2 cases, else they skip): A kernel files (8 workers),
                    # B engine-level, C hybrid, D speculative, E MTP files (3 workers: every engine takes <= 0.3 of the
                    # card); D spreads single tests over the workers (a file of its outlasts 560 s on one); E runs in
                    # one process: under 3 workers (session 35) its fp32 MTP cases ran > 5x slower than alone; F the
@@ -2295,22 +2306,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
               pipeline_parallel_gpu pooling_cuda profiling_cuda prompt_embeds_cuda qwen4_exp_cuda sleep_mode_gpu \
               sliding_window_cuda weight_offload_gpu worker_forkserver_cuda ;;
     esac
-    files=(); for f in "$@"; do files+=("tests/gpu/test_$f.py"); done
-    timeout "$cap" python3 -m pytest -v -m gpu "${files[@]}" -n $workers --dist $dist -p no:cacheprovider -rfs \
-      -o addopts="" > "$out/$stage-$sha.txt" 2>&1
-    echo "$stage rc=$? $(tail -1 "$out/$stage-$sha.txt")"
-    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/$stage-$sha.txt" | sort | uniq -c
-    grep -E "^(FAILED|ERROR)" "$out/$stage-$sha.txt" | head
+    files=(); for f in "$@"; do files+=("test_$f"); done
+    gpu_group "$stage" "$cap" "$workers" "$dist" "${files[@]}"
     ;;
   files)  # (session 69) `run_h200.sh files SHA test_a test_b ...`: those GPU files, 3 workers, one file per worker
     shift 2
-    paths=(); for f in "$@"; do paths+=("tests/gpu/$f.py"); done
-    python3 -c "import transformers, compressed_tensors; print('transformers', transformers.__version__)"
-    timeout 560 python3 -m pytest -v -m gpu "${paths[@]}" -n 3 --dist loadfile -p no:cacheprovider -rfs -o addopts="" \
-      > "$out/files-$sha.txt" 2>&1
-    echo "files rc=$? $(tail -1 "$out/files-$sha.txt")"
-    grep -oE "(PASSED|FAILED|ERROR|SKIPPED) tests/gpu/[a-z_0-9]+\.py" "$out/files-$sha.txt" | sort | uniq -c
-    grep -E "^(FAILED|ERROR)" "$out/files-$sha.txt" | head
+    python3 -c "import transformers; print('transformers', transformers.__version__)"
+    gpu_group files 560 3 loadfile "$@"
     ;;
   parts)  # (session 69) gpuX stages in sequence inside one call's 600 s: `run_h200.sh parts SHA gpuB gpuF`
     shift 2
