@@ -215,11 +215,16 @@ def cpu_runs(hybrids):
         llm = LLM(path, device="cpu", skip_tokenizer_init=True, mamba_cache_mode="none")
         outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()],
                             SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2))
-        tokens = [o.outputs[0].token_ids for o in outs]
-        margins = [[lps[0] - lps[1] for lps in (sorted((lp.logprob for lp in pos.values()), reverse=True)
-                                                for pos in o.outputs[0].logprobs)] for o in outs]
-        runs[kind] = (tokens, margins)
+        runs[kind] = _tokens_and_margins(outs)
     return runs
+
+
+def _tokens_and_margins(outs) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens per request and the top-1/top-2 logprob margin at each (outputs generated with logprobs=2)."""
+    tokens = [o.outputs[0].token_ids for o in outs]
+    margins = [[lps[0] - lps[1] for lps in (sorted((lp.logprob for lp in pos.values()), reverse=True)
+                                            for pos in o.outputs[0].logprobs)] for o in outs]
+    return tokens, margins
 
 
 @pytest.fixture(scope="module")
@@ -356,11 +361,13 @@ def test_engine_gpu_prefix_cache_snapshots(hybrids, cpu_tokens):
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs: replayed decode steps equal eager ones
 # ---------------------------------------------------------------------------------------------
-def _greedy_each(llm, prompts, max_tokens):
+def _greedy_each(llm, prompts, max_tokens, logprobs=None):
     from voltllm import SamplingParams
 
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in max_tokens]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    if logprobs:
+        return _tokens_and_margins(outs)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
@@ -384,14 +391,24 @@ def test_cuda_graphs_equal_eager(hybrids, kind, dtype):
         pytest.skip(f"{kind} not in this transformers")
     prompts, max_tokens = _prompts(), [40, 12, 28, 33, 20]
     kw = dict(dtype=dtype, max_num_batched_tokens=256, mamba_cache_mode="none")
-    want, _ = _greedy_each(_engine(hybrids[kind], False, **kw), prompts, max_tokens)
     llm = _engine(hybrids[kind], True, **kw)
     got, _ = _greedy_each(llm, prompts, max_tokens)
-    if dtype == "float32":
-        assert got == want, f"agreement {_agree(got, want):.3f}"
-    else:  # padding changes GEMM shapes and the split-KV count (max_seq_len): rare bf16 near-ties may flip
-        assert _agree(got, want) >= 0.97 and all(a[0] == b[0] for a, b in zip(got, want))
     assert llm.engine.runner.graphs.replays > 0
+    if dtype == "float32":  # an --enforce-eager engine: fp32 leaves no rounding to differ
+        want, _ = _greedy_each(_engine(hybrids[kind], False, **kw), prompts, max_tokens)
+        assert got == want, f"agreement {_agree(got, want):.3f}"
+    else:
+        # padding changes GEMM shapes and the split-KV count (max_seq_len), so bf16 rounding differs and flips this
+        # random model's near-ties (whole-run agreement 0.77 on qwen3_5 at 7eb8102d, session 70: one early flip
+        # changes the rest of a request). So each request must follow the same engine's eager steps (the same
+        # kernels) until a near-tie of theirs, as test_engine_gpu_half holds the runs to the fp32 reference.
+        graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None
+        want, margins = _greedy_each(llm, prompts, max_tokens, logprobs=2)
+        llm.engine.runner.graphs = graphs
+        flips = _first_flips(got, want, margins)
+        print(f"\n{kind} bf16 graphs vs eager: agreement {_agree(got, want):.3f}, first flips (request, position, "
+              f"eager margin) {[(r, i, round(m, 4)) for r, i, m in flips]}")
+        assert all(m < HALF_FLIP_MARGIN[dtype] for _, _, m in flips), flips
     llm.engine.step()  # release the slots of the requests that finished last
     llm.engine.check_integrity()
     assert llm.engine.runner.state_cache.num_free == llm.engine.runner.state_cache.num_slots

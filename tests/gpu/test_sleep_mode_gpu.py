@@ -26,6 +26,14 @@ def _greedy(llm, n=16):
     return [o.outputs[0].token_ids for o in outs]
 
 
+def _greedy_uncached(llm, n=16):
+    """_greedy with the prefix cache emptied first, as sleep empties it: an earlier run's prefix hits change the
+    prompt step's shapes (its GEMMs' M), and the fp16 rounding that follows flips this random model's near-ties
+    (session 70: a level-2 run compared against a `before` taken with the level-1 test's hits)."""
+    assert llm.reset_prefix_cache()
+    return _greedy(llm, n)
+
+
 def _weights_bytes(llm) -> int:
     return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
 
@@ -33,7 +41,7 @@ def _weights_bytes(llm) -> int:
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_frees_the_gpu_and_wake_up_restores_it(llm, level):
     runner = llm.engine.runner
-    before = _greedy(llm)
+    before = _greedy_uncached(llm)
     assert runner.graphs is not None and runner.graphs.replays > 0
     replays = runner.graphs.replays
     torch.cuda.synchronize()
@@ -52,7 +60,7 @@ def test_sleep_frees_the_gpu_and_wake_up_restores_it(llm, level):
 
 
 def test_wake_up_weights_then_kv_cache(llm):
-    before = _greedy(llm)
+    before = _greedy_uncached(llm)
     llm.sleep(level=2)
     llm.wake_up(tags=["weights"])
     assert llm.is_sleeping() and llm.engine.runner.graphs is None
