@@ -261,6 +261,7 @@
 #   s165b    (session 65) 8-row step profiles A / B; 8B 2-64 concurrent with the LM head's batch GEMM
 #   s166     (for session 66) eager batches between the timed sizes: 8B 3 / 6 / 12 / 40 concurrent A / B, GPU files
 #   s166b    (session 66) the concurrency scenario's --num-prompts: 8B 64 in flight, 320 requests vs one batch of 64
+#   s170     (for session 71) the sleep-mode GPU file (mended in session 70, not rerun), then 8B 64 x 128/128 once
 #   files    (session 69) `files SHA test_a ...`: named GPU files (carry .whl: since session 69 it holds transformers
 #            5.25 and compressed-tensors 0.20.1; the device's own transformers was 5.16 / 5.17, below pyproject's floor)
 #   parts    (session 69) `parts SHA gpuB gpuF ...`: several gpuX stages in one call, each capped by what is left of
@@ -2313,6 +2314,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     shift 2
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
+    ;;
+  s170)  # (for session 71; carry .whl) session 70's mended sleep-mode tests (not rerun on a GPU then), then #4's case
+    # at the commit: one batch of 64 x 128/128 (say which card: the H100 and H200 figures are not comparable)
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    gpu_group sleep 200 0 no test_sleep_mode_gpu
+    c64_batch
     ;;
   parts)  # (session 69) gpuX stages in sequence inside one call's 600 s: `run_h200.sh parts SHA gpuB gpuF`
     shift 2
