@@ -280,6 +280,9 @@ stage=$1; sha=$2
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 export PYTHONPATH=$PWD:$PWD/tests:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
+  # a fresh folder: on a warm machine `pip --target --upgrade` left an earlier call's xgrammar 0.2.9 metadata beside
+  # the carried 0.2.8, and the version check read the old one (session 70)
+  rm -rf /tmp/site
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PYTHONPATH:/tmp/site
