@@ -361,13 +361,16 @@ def test_engine_gpu_prefix_cache_snapshots(hybrids, cpu_tokens):
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs: replayed decode steps equal eager ones
 # ---------------------------------------------------------------------------------------------
-def _greedy_each(llm, prompts, max_tokens, logprobs=None):
+def _generate_each(llm, prompts, max_tokens, logprobs=None):
+    """Greedy outputs, request i running max_tokens[i] tokens."""
     from voltllm import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=logprobs) for n in max_tokens]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    if logprobs:
-        return _tokens_and_margins(outs)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+def _greedy_each(llm, prompts, max_tokens):
+    outs = _generate_each(llm, prompts, max_tokens)
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
@@ -403,7 +406,7 @@ def test_cuda_graphs_equal_eager(hybrids, kind, dtype):
         # changes the rest of a request). So each request must follow the same engine's eager steps (the same
         # kernels) until a near-tie of theirs, as test_engine_gpu_half holds the runs to the fp32 reference.
         graphs, llm.engine.runner.graphs = llm.engine.runner.graphs, None
-        want, margins = _greedy_each(llm, prompts, max_tokens, logprobs=2)
+        want, margins = _tokens_and_margins(_generate_each(llm, prompts, max_tokens, logprobs=2))
         llm.engine.runner.graphs = graphs
         flips = _first_flips(got, want, margins)
         print(f"\n{kind} bf16 graphs vs eager: agreement {_agree(got, want):.3f}, first flips (request, position, "
