@@ -2318,6 +2318,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171a)  # (session 71; carry .whl) the RMSNorms folded into the 8B decode-batch GEMMs (micro/norm_fold_chain.py):
+    # the 36-layer GEMM chain at 64 and 32 rows, production vs folded, each role's best TMA tile (+ cuBLAS for qkv)
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    for rows in 64 32; do
+      PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/micro timeout 280 python3 benchmarks/micro/norm_fold_chain.py $rows 2>&1 \
+        | tee "$out/norm-fold-chain-m$rows-$sha.txt" | tail -14
+    done
+    ;;
   s170)  # (for session 71; carry .whl) session 70's mended sleep-mode tests (not rerun on a GPU then), then #4's case
     # at the commit: one batch of 64 x 128/128 (say which card: the H100 and H200 figures are not comparable)
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader

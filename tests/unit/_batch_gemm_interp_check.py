@@ -45,6 +45,42 @@ for m, n, k, bias in ((3, 24, 256, True), (17, 20, 300, False), (64, 48, 128, Tr
         ref = batch_gemm_ref(x, w, b, gated=True)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 2e-3, ("batch_gemm gated", m, n, k, cfg, err)
+# RMSNorm folded in (TMA tiles, plain and gated): x un-normalised with rows of very different scale (one of 3e3,
+# where x * g itself would leave fp16 without the weight's scaling), a norm weight with an offset; and the residual
+# epilogue (the fp32 residual updated in place, its rounding returned), with split-K too
+from voltllm.kernels.batch_gemm import FoldedNorm  # noqa: E402
+
+for m, n, k, gated in ((5, 48, 256, False), (33, 40, 160, True), (64, 64, 128, False)):
+    x = torch.randn(m, k, dtype=torch.float16) * torch.logspace(-2, 1, m)[:, None].half()
+    x[m // 2] *= 300.0
+    g = torch.randn(k) * 8
+    w = torch.randn(2 * n if gated else n, k, dtype=torch.float16) / k ** 0.5
+    for cfg in ((32, 128, 4, 2, 1, True), (16, 64, 4, 3, 1, True)):
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        batch_gemm(x, w, config=cfg, out=out, gated=gated, norm=FoldedNorm(g, 1e-6, 1.0))
+        ref = batch_gemm_ref(x, w, gated=gated, norm=(g, 1e-6, 1.0))
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 3e-3, ("batch_gemm norm", m, n, k, gated, cfg, err)
+        if m == 64:
+            row_err = ((out[m // 2].float() - ref[m // 2].float()).norm() / ref[m // 2].float().norm()).item()
+            assert row_err < 3e-3, ("batch_gemm norm, the large row", cfg, row_err)
+    for cfg in ((32, 128, 4, 2, 1, True), (32, 64, 4, 1, 2, True)):
+        res = torch.randn(m, n) * 50
+        res0 = res.clone()
+        out = torch.full((m, n), float("nan"), dtype=torch.float16)
+        xin = x[:, :k] / 100
+        batch_gemm(xin, w[:n], config=cfg, out=out, residual=res)
+        ref = res0 + batch_gemm_ref(xin, w[:n]).float()
+        assert ((res - ref).norm() / ref.norm()).item() < 2e-3, ("residual add", cfg)
+        assert torch.equal(out, res.half()), ("residual add: the rounded copy", cfg)
+for bad in (dict(norm=FoldedNorm(torch.ones(16), 1e-6), config=(32, 64, 4, 1, 1)),
+            dict(norm=FoldedNorm(torch.ones(16), 1e-6), config=(32, 64, 4, 1, 2, True)),
+            dict(residual=torch.zeros(16, 8, dtype=torch.float16), config=(32, 64, 4, 1, 1, True))):
+    try:  # the folded forms are TMA-only, the norm without split-K, the residual fp32 [M, N]
+        batch_gemm(torch.zeros(16, 16, dtype=torch.float16), torch.zeros(8, 16, dtype=torch.float16), **bad)
+        raise AssertionError(f"accepted {bad}")
+    except ValueError:
+        pass
 for bad in (dict(gated=True, config=(32, 64, 4, 1, 2)), dict(gated=True, silu_mul=True)):
     try:  # split-K and the silu*mul prologue do not combine with the gated epilogue
         batch_gemm(torch.zeros(16, 16, dtype=torch.float16), torch.zeros(8, 8 if bad.get("silu_mul") else 16,

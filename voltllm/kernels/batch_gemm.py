@@ -90,8 +90,8 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
         w_ptr += BLOCK_K
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M, BLOCK_N,
-                 SPLIT_K, HAS_BIAS and not GATED)
+    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M,
+                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False)
 
 
 @triton.jit
@@ -110,15 +110,19 @@ def _silu_times(g, u):
 
 
 @triton.jit
-def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 RES_ADD: tl.constexpr):
     """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
-    and let the last slice of the tile to arrive sum all partials in slice order and store that."""
+    and let the last slice of the tile to arrive sum all partials in slice order and store that. RES_ADD: add the
+    tile to the fp32 residual R in place and store the sum, rounded, as Y (the next norm-folded GEMM's input)."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if RES_ADD:
+            acc = _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y)
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
     else:
         ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]  # slice s at WS + s * BLOCK_M * N
@@ -131,19 +135,37 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, mask_m, mask_n, N
                 total += tl.load(ws_tile + s * BLOCK_M * N, mask=mask_y, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 total += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            if RES_ADD:
+                total = _residual_add(total, R, stride_rm, offs_m, offs_n, mask_y)
             tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
             tl.atomic_xchg(COUNTERS + pid, 0)
 
 
+@triton.jit
+def _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y):
+    """R += acc in place (fp32 residual rows); returns the new residual tile."""
+    r_ptr = R + offs_m[:, None] * stride_rm + offs_n[None, :]
+    total = tl.load(r_ptr, mask=mask_y, other=0.0) + acc
+    tl.store(r_ptr, total, mask=mask_y)
+    return total
+
+
 @triton.jit(do_not_specialize=["M"])  # (as _batch_gemm_kernel)
-def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_wn, stride_ym,
+def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_per_split, stride_wn, stride_ym,
+                           stride_rm, eps, g_scale,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
+                           PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
+                           RES_ADD: tl.constexpr = False):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
-    weight as a pointer, for the L2 prefetch before the PDL wait)."""
+    weight as a pointer, for the L2 prefetch before the PDL wait).
+
+    NORM (RMSNorm folded in, SPLIT_K 1): x holds the un-normalised rows; each K tile's sum of squares is kept
+    per row and the tile enters the dot as x * G (G: the norm weight / g_scale, fp32, so the rounded product stays
+    in range), and the accumulators are scaled by rsqrt(mean(x^2) + eps) * g_scale at the end. RES_ADD: see
+    _finish_tile (R: the fp32 residual)."""
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -152,20 +174,31 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, M, N, K, k_per_spl
     pdl_enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
+    sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         x = XD.load([0, k0])
         if SILU_MUL:
             x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
+        if NORM:
+            xf = x.to(tl.float32)
+            sumsq += tl.sum(xf * xf, axis=1)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = (xf * tl.load(G + offs_k, mask=offs_k < K, other=0.0)[None, :]).to(x.dtype)
         w = WD.load([pid * BLOCK_N, k0])
         acc = tl.dot(x, w.T, acc)
         if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
             acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    if NORM:
+        row_scale = (tl.rsqrt(sumsq / K + eps) * g_scale)[:, None]
+        acc = acc * row_scale
+        if GATED:
+            acc_u = acc_u * row_scale
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym, BLOCK_M,
-                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED)
+    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym,
+                 BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD)
 
 
 def _specs() -> list[CompileSpec]:
@@ -188,14 +221,18 @@ register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)
 
 def _tma_specs() -> list[CompileSpec]:
     sig = {"XD": "tensordesc<fp16[64, 128]>", "UD": "tensordesc<fp16[64, 128]>", "WD": "tensordesc<fp16[64, 128]>",
-           "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32", "N": "i32",
-           "K": "i32", "k_per_split": "i32", "stride_wn": "i32", "stride_ym": "i32", "BLOCK_M": "constexpr",
+           "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "G": "*fp32", "R": "*fp32",
+           "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_wn": "i32", "stride_ym": "i32",
+           "stride_rm": "i32", "eps": "fp32", "g_scale": "fp32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
-           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr"}
+           "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr",
+           "NORM": "constexpr", "RES_ADD": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
-                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt},
-                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} tma")
-            for sk, b, s, gt in ((1, False, False, False), (2, True, True, False), (1, True, False, True))]
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "RES_ADD": ra},
+                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} norm={nm} res_add={ra} tma")
+            for sk, b, s, gt, nm, ra in ((1, False, False, False, False, False), (2, True, True, False, False, False),
+                                         (1, True, False, True, False, False), (1, False, False, True, True, False),
+                                         (1, False, False, False, True, False), (2, False, False, False, False, True))]
 
 
 register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), compat=False)  # sm_90+ only
@@ -262,19 +299,24 @@ BATCH_PREFETCH_K = 0
 def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                config: tuple = CONFIGS[0], silu_mul: bool = False,
                out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
-               gated: bool = False) -> torch.Tensor:
+               gated: bool = False, norm: Optional["FoldedNorm"] = None,
+               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
     silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]); gated tiles run without split-K.
-    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K)."""
+    prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K).
+    norm (TMA configs without split-K only): x is the un-normalised residual rows, rounded to x's dtype, and the
+    product is with RMSNorm(x) (FoldedNorm). residual (fp32 [M, N], TMA configs only): residual += the product in
+    place, and the result is the new residual rounded to x's dtype."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
     if (not MIN_ROWS <= m <= MAX_ROWS or w.shape[1] != k or kx != (2 * k if silu_mul else k)
             or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype
             or x.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
-            or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))):
+            or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))
+            or ((norm is not None or residual is not None) and not _tma_fold_ok(x, w, k, config, norm, residual))):
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
@@ -305,13 +347,41 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         xd = TensorDescriptor.from_tensor(x[:, :k], [block_m, block_k])
         ud = TensorDescriptor.from_tensor(x[:, k:], [block_m, block_k]) if silu_mul else xd
         wd = TensorDescriptor.from_tensor(w, [block_n, block_k])
-        _batch_gemm_tma_kernel[(n_tiles, split)](xd, ud, wd, w, b, out, ws, counters, m, n, k,
-                                                 tiles_per_split * block_k, w.stride(0), out.stride(0), **meta)
+        g = norm.weight if norm is not None else ws
+        r = residual if residual is not None else ws
+        _batch_gemm_tma_kernel[(n_tiles, split)](
+            xd, ud, wd, w, b, out, ws, counters, g, r, m, n, k, tiles_per_split * block_k, w.stride(0), out.stride(0),
+            r.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
+            norm.scale if norm is not None else 1.0, NORM=norm is not None, RES_ADD=residual is not None, **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
             EVEN_K=k % block_k == 0, **meta)
     return out
+
+
+class FoldedNorm:
+    """An RMSNorm as a norm-folded GEMM takes it: weight = (norm weight + offset) / scale in fp32, with scale the
+    largest |norm weight + offset|, so x * weight never exceeds x's range when rounded for the dot."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
+        g = weight.detach().float() + offset
+        self.scale = max(float(g.abs().max()), 1e-30) if g.numel() else 1.0
+        self.weight = (g / self.scale).contiguous()
+        self.eps = float(eps)
+
+
+def _tma_fold_ok(x: torch.Tensor, w: torch.Tensor, k: int, config: tuple, norm: Optional[FoldedNorm],
+                 residual: Optional[torch.Tensor]) -> bool:
+    """The norm / residual epilogue forms exist in the TMA kernel only (and the norm needs every K in one program)."""
+    if len(config) < 6 or not config[5] or not _tma_aligned(x, w, k):
+        return False
+    if norm is not None and (config[4] != 1 or norm.weight.numel() != k or norm.weight.device != x.device):
+        return False
+    if residual is not None and (residual.dtype != torch.float32 or residual.shape != (x.shape[0], w.shape[0])
+                                 or residual.stride(1) != 1):
+        return False
+    return True
 
 
 def row_block(m: int) -> int:
@@ -353,8 +423,13 @@ def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
 
 
 def batch_gemm_ref(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                   silu_mul: bool = False, gated: bool = False) -> torch.Tensor:
+                   silu_mul: bool = False, gated: bool = False,
+                   norm: Optional[tuple[torch.Tensor, float, float]] = None) -> torch.Tensor:
+    """fp32 math; norm = (weight, eps, offset): x is normalised (RMSNorm, rounded to x's dtype) first."""
     xf = x.float()
+    if norm is not None:
+        g, eps, offset = norm
+        xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (g.float() + offset)).to(x.dtype).float()
     if silu_mul:
         g, u = xf.chunk(2, dim=-1)
         xf = (torch.nn.functional.silu(g) * u).to(x.dtype).float()
