@@ -2321,7 +2321,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s171a)  # (session 71; carry .whl) the RMSNorms folded into the 8B decode-batch GEMMs (micro/norm_fold_chain.py):
     # the 36-layer GEMM chain at 64 and 32 rows, production vs folded, each role's best TMA tile (+ cuBLAS for qkv)
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
-    for rows in 64 32; do
+    for rows in ${3:-64 32}; do
       PYTHONPATH=$PYTHONPATH:$PWD/benchmarks/micro timeout 280 python3 benchmarks/micro/norm_fold_chain.py $rows 2>&1 \
         | tee "$out/norm-fold-chain-m$rows-$sha.txt" | tail -14
     done

@@ -156,7 +156,7 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_p
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                            PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
-                           RES_ADD: tl.constexpr = False):
+                           RES_ADD: tl.constexpr = False, NORM_X: tl.constexpr = True):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
@@ -182,8 +182,9 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_p
         if NORM:
             xf = x.to(tl.float32)
             sumsq += tl.sum(xf * xf, axis=1)
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = (xf * tl.load(G + offs_k, mask=offs_k < K, other=0.0)[None, :]).to(x.dtype)
+            if NORM_X:  # (otherwise the weight holds the norm weight already: x enters the dot as loaded)
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                x = (xf * tl.load(G + offs_k, mask=offs_k < K, other=0.0)[None, :]).to(x.dtype)
         w = WD.load([pid * BLOCK_N, k0])
         acc = tl.dot(x, w.T, acc)
         if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
@@ -226,9 +227,10 @@ def _tma_specs() -> list[CompileSpec]:
            "stride_rm": "i32", "eps": "fp32", "g_scale": "fp32", "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
            "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr",
-           "NORM": "constexpr", "RES_ADD": "constexpr"}
+           "NORM": "constexpr", "RES_ADD": "constexpr", "NORM_X": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
-                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "RES_ADD": ra},
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "RES_ADD": ra,
+                              "NORM_X": True},
                         f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} norm={nm} res_add={ra} tma")
             for sk, b, s, gt, nm, ra in ((1, False, False, False, False, False), (2, True, True, False, False, False),
                                          (1, True, False, True, False, False), (1, False, False, True, True, False),
@@ -352,7 +354,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         _batch_gemm_tma_kernel[(n_tiles, split)](
             xd, ud, wd, w, b, out, ws, counters, g, r, m, n, k, tiles_per_split * block_k, w.stride(0), out.stride(0),
             r.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
-            norm.scale if norm is not None else 1.0, NORM=norm is not None, RES_ADD=residual is not None, **meta)
+            norm.scale if norm is not None else 1.0, NORM=norm is not None, RES_ADD=residual is not None,
+            NORM_X=norm is None or not norm.in_weight, **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
@@ -369,6 +372,7 @@ class FoldedNorm:
         self.scale = max(float(g.abs().max()), 1e-30) if g.numel() else 1.0
         self.weight = (g / self.scale).contiguous()
         self.eps = float(eps)
+        self.in_weight = False  # True: the GEMM's weight columns are already multiplied by the norm weight
 
 
 def _tma_fold_ok(x: torch.Tensor, w: torch.Tensor, k: int, config: tuple, norm: Optional[FoldedNorm],
