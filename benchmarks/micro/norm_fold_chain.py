@@ -7,7 +7,9 @@ post-attention norm inside -> down adding into the residual. Two launches fewer 
 Attention and RoPE are left out (the same in both). 36 layers, each with its own weights (a cold L2, as in the
 engine), replayed from a CUDA graph with PDL on, median of 5 replays. Each GEMM role's tile is the fastest of the
 TMA candidates (and cuBLAS for A's qkv, production's choice at 64 rows), timed as a 36-call chain first.
-Also checks that B's final residual matches A's.
+Forms C and D fold the norm weight into the GEMM weight at load (W * g); D takes each row's sum of squares from
+the producer's per-tile partials instead of from x in the consumer's K loop. Also checks that each form's final
+residual matches A's.
 
     python3 benchmarks/micro/norm_fold_chain.py [rows]
 """
@@ -63,6 +65,7 @@ def main(rows: int) -> None:
     act = torch.randn(rows, INTER, device=dev, dtype=torch.float16)
     resw = torch.zeros(rows, H, device=dev)
     cands = list(TMA_CONFIGS)
+    ss = torch.rand(64 * 256, device=dev)  # per-tile sums of squares (form D), any values for the tile timings
     cfg = {}
     cfg["qkv"] = best("qkv", [None] + cands, lambda lay, c: F.linear(h, lay["qkv"]) if c is None
                       else batch_gemm(h, lay["qkv"], config=c, out=qkv_out))
@@ -70,16 +73,25 @@ def main(rows: int) -> None:
                                                                      norm=lay["n1"]))
     cfg["qkv_w"] = best("qkv+norm(W)", cands, lambda lay, c: batch_gemm(h, lay["qkv_w"], config=c, out=qkv_out,
                                                                         norm=lay["n1w"]))
+    cfg["qkv_p"] = best("qkv+norm(P)", cands, lambda lay, c: batch_gemm(h, lay["qkv_w"], config=c, out=qkv_out,
+                                                                        norm=lay["n1w"], sumsq_in=(ss, 128)))
     cfg["o"] = best("o", cands, lambda lay, c: batch_gemm(qkv_out[:, :H], lay["o"], config=c, out=d))
     cfg["o_r"] = best("o+res", cands, lambda lay, c: batch_gemm(qkv_out[:, :H], lay["o"], config=c, out=x16,
                                                                 residual=resw))
+    cfg["o_s"] = best("o+res+ss", cands, lambda lay, c: batch_gemm(qkv_out[:, :H], lay["o"], config=c, out=x16,
+                                                                   residual=resw, sumsq_out=ss))
     gated = [c for c in cands if c[4] == 1]
     cfg["gu"] = best("gate_up", gated, lambda lay, c: batch_gemm(h, lay["gu"], config=c, out=act, gated=True))
     cfg["gu_n"] = best("gate_up+norm", gated, lambda lay, c: batch_gemm(h, lay["gu"], config=c, out=act, gated=True,
                                                                          norm=lay["n2"]))
     cfg["gu_w"] = best("gate_up+n(W)", gated, lambda lay, c: batch_gemm(h, lay["gu_w"], config=c, out=act,
                                                                          gated=True, norm=lay["n2w"]))
+    cfg["gu_p"] = best("gate_up+n(P)", gated, lambda lay, c: batch_gemm(h, lay["gu_w"], config=c, out=act,
+                                                                         gated=True, norm=lay["n2w"],
+                                                                         sumsq_in=(ss, 128)))
     cfg["d"] = best("down", cands, lambda lay, c: batch_gemm(act, lay["d"], config=c, out=d))
+    cfg["d_s"] = best("down+res+ss", cands, lambda lay, c: batch_gemm(act, lay["d"], config=c, out=x16, residual=resw,
+                                                                      sumsq_out=ss))
     cfg["d_r"] = best("down+res", cands, lambda lay, c: batch_gemm(act, lay["d"], config=c, out=x16, residual=resw))
 
     def qkv_prod(lay, x):
@@ -117,22 +129,36 @@ def main(rows: int) -> None:
             a = batch_gemm(x16, lay["gu_w"], config=cfg["gu_w"], out=act, gated=True, norm=lay["n2w"])
             batch_gemm(a, lay["d"], config=cfg["d_r"], out=x16, residual=res)
 
+    def chain_d():  # C with the sums of squares from the producers' per-tile partials (layer 0's from its x)
+        res.copy_(x0)
+        x16.copy_(x0)
+        parts = None
+        for lay in layers:
+            q = batch_gemm(x16, lay["qkv_w"], config=cfg["qkv_p"] if parts else cfg["qkv_w"], out=qkv_out,
+                           norm=lay["n1w"], sumsq_in=parts)
+            batch_gemm(q[:, :H], lay["o"], config=cfg["o_s"], out=x16, residual=res, sumsq_out=ss)
+            parts = (ss, -(-H // cfg["o_s"][0]))
+            a = batch_gemm(x16, lay["gu_w"], config=cfg["gu_p"], out=act, gated=True, norm=lay["n2w"], sumsq_in=parts)
+            batch_gemm(a, lay["d"], config=cfg["d_s"], out=x16, residual=res, sumsq_out=ss)
+            parts = (ss, -(-H // cfg["d_s"][0]))
+
     chain_a()
     ref = res.clone()
-    for name, chain in (("B", chain_b), ("C", chain_c)):
+    for name, chain in (("B", chain_b), ("C", chain_c), ("D", chain_d)):
         chain()
         err = ((res - ref).norm() / ref.norm()).item()
         print(f"final residual, {name} vs production: relative error {err:.2e}")
     ta = [graph_median_us(chain_a, LAYERS) for _ in range(3)]
     tb = [graph_median_us(chain_b, LAYERS) for _ in range(3)]
     tc = [graph_median_us(chain_c, LAYERS) for _ in range(3)]
+    td = [graph_median_us(chain_d, LAYERS) for _ in range(3)]
     print(f"tiles: {cfg}")
     print(f"{'form':34s} {'us/layer (3 graphs)':26s} {'us/step (x36)':>14s}")
     for name, t in (("A production (2 norm launches)", ta), ("B norms folded (x * g in the loop)", tb),
-                    ("C norms folded (W * g at load)", tc)):
+                    ("C norms folded (W * g at load)", tc), ("D as C, sums of squares from partials", td)):
         print(f"{name:34s} {' '.join(f'{v:7.2f}' for v in t):26s} {min(t) * LAYERS:14.0f}")
-    print(f"B / C save {(min(ta) - min(tb)) * LAYERS:.0f} / {(min(ta) - min(tc)) * LAYERS:.0f} us per 8B step "
-          f"at {rows} rows")
+    print(f"B / C / D save {(min(ta) - min(tb)) * LAYERS:.0f} / {(min(ta) - min(tc)) * LAYERS:.0f} / "
+          f"{(min(ta) - min(td)) * LAYERS:.0f} us per 8B step at {rows} rows")
 
 
 if __name__ == "__main__":

@@ -73,6 +73,27 @@ for m, n, k, gated in ((5, 48, 256, False), (33, 40, 160, True), (64, 64, 128, F
         ref = res0 + batch_gemm_ref(xin, w[:n]).float()
         assert ((res - ref).norm() / ref.norm()).item() < 2e-3, ("residual add", cfg)
         assert torch.equal(out, res.half()), ("residual add: the rounded copy", cfg)
+# the norm's sums of squares from the producer: a residual-add GEMM (plain and split-K) stores per-tile partials of
+# its rounded rows, the next GEMM (the norm weight folded into its weight, gated or not) sums them (poisoned first)
+for m, hid, gated in ((17, 96, False), (64, 160, True)):
+    xa = torch.randn(m, 128, dtype=torch.float16)
+    wo = torch.randn(hid, 128, dtype=torch.float16) / 4
+    g = 1 + torch.rand(hid)
+    wn = torch.randn(2 * 24 if gated else 24, hid, dtype=torch.float16) / hid ** 0.5
+    fold = FoldedNorm(torch.ones(hid), 1e-6)
+    fold.in_weight = True
+    for pcfg in ((32, 128, 4, 2, 1, True), (64, 64, 4, 1, 2, True)):
+        res = torch.randn(m, hid) * 3
+        x16 = torch.full((m, hid), float("nan"), dtype=torch.float16)
+        parts = torch.full((64 * 8,), float("nan"))
+        batch_gemm(xa, wo, config=pcfg, out=x16, residual=res, sumsq_out=parts)
+        n_parts = -(-hid // pcfg[0])
+        out = torch.full((m, 24), float("nan"), dtype=torch.float16)
+        batch_gemm(x16, (wn * g.half()).contiguous(), config=(16, 64, 4, 2, 1, True), out=out, gated=gated,
+                   norm=fold, sumsq_in=(parts, n_parts))
+        ref = batch_gemm_ref(x16, wn, gated=gated, norm=(g, 1e-6, 0.0))
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < 3e-3, ("batch_gemm norm from partials", m, hid, gated, pcfg, err)
 for bad in (dict(norm=FoldedNorm(torch.ones(16), 1e-6), config=(32, 64, 4, 1, 1)),
             dict(norm=FoldedNorm(torch.ones(16), 1e-6), config=(32, 64, 4, 1, 2, True)),
             dict(residual=torch.zeros(16, 8, dtype=torch.float16), config=(32, 64, 4, 1, 1, True))):

@@ -90,8 +90,8 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
         w_ptr += BLOCK_K
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M,
-                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False)
+    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, acc, WS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M,
+                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False, False, False)
 
 
 @triton.jit
@@ -110,19 +110,23 @@ def _silu_times(g, u):
 
 
 @triton.jit
-def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 RES_ADD: tl.constexpr):
+def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, pid, offs_m, offs_n, mask_m, mask_n, N,
+                 stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RES_ADD: tl.constexpr, R_PRE: tl.constexpr, SS_OUT: tl.constexpr):
     """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
     and let the last slice of the tile to arrive sum all partials in slice order and store that. RES_ADD: add the
-    tile to the fp32 residual R in place and store the sum, rounded, as Y (the next norm-folded GEMM's input)."""
+    tile to the fp32 residual R in place (R_PRE: its rows loaded before the K loop, r_pre) and store the sum,
+    rounded, as Y (the next norm-folded GEMM's input); SS_OUT: also store each row's sum of squares of the rounded
+    tile at SS[pid * BLOCK_M + row] (the next GEMM's RMSNorm sums the tiles' partials)."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if RES_ADD:
-            acc = _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y)
+            acc = _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y, r_pre, R_PRE)
+            if SS_OUT:
+                _store_sumsq(acc, Y, SS, pid, offs_m, BLOCK_M)
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
     else:
         ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]  # slice s at WS + s * BLOCK_M * N
@@ -136,27 +140,40 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, pid, offs_m, offs_n, mas
             if HAS_BIAS:
                 total += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if RES_ADD:
-                total = _residual_add(total, R, stride_rm, offs_m, offs_n, mask_y)
+                total = _residual_add(total, R, stride_rm, offs_m, offs_n, mask_y, r_pre, False)
+                if SS_OUT:
+                    _store_sumsq(total, Y, SS, pid, offs_m, BLOCK_M)
             tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
             tl.atomic_xchg(COUNTERS + pid, 0)
 
 
 @triton.jit
-def _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y):
-    """R += acc in place (fp32 residual rows); returns the new residual tile."""
+def _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y, r_pre, R_PRE: tl.constexpr):
+    """R += acc in place (fp32 residual rows; R_PRE: r_pre holds them already); returns the new residual tile."""
     r_ptr = R + offs_m[:, None] * stride_rm + offs_n[None, :]
-    total = tl.load(r_ptr, mask=mask_y, other=0.0) + acc
+    if R_PRE:
+        total = r_pre + acc
+    else:
+        total = tl.load(r_ptr, mask=mask_y, other=0.0) + acc
     tl.store(r_ptr, total, mask=mask_y)
     return total
 
 
+@triton.jit
+def _store_sumsq(total, Y, SS, pid, offs_m, BLOCK_M: tl.constexpr):
+    """This tile's per-row sum of squares of the rounded rows (masked rows and features are zero)."""
+    q = total.to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(SS + pid * BLOCK_M + offs_m, tl.sum(q * q, axis=1))
+
+
 @triton.jit(do_not_specialize=["M"])  # (as _batch_gemm_kernel)
-def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_per_split, stride_wn, stride_ym,
-                           stride_rm, eps, g_scale,
+def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, SS, M, N, K, k_per_split, stride_wn, stride_ym,
+                           stride_rm, eps, g_scale, n_parts,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                            PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
-                           RES_ADD: tl.constexpr = False, NORM_X: tl.constexpr = True):
+                           RES_ADD: tl.constexpr = False, NORM_X: tl.constexpr = True, SS_OUT: tl.constexpr = False,
+                           SS_PARTS: tl.constexpr = 0):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
@@ -164,14 +181,26 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_p
 
     NORM (RMSNorm folded in, SPLIT_K 1): x holds the un-normalised rows; each K tile's sum of squares is kept
     per row and the tile enters the dot as x * G (G: the norm weight / g_scale, fp32, so the rounded product stays
-    in range), and the accumulators are scaled by rsqrt(mean(x^2) + eps) * g_scale at the end. RES_ADD: see
-    _finish_tile (R: the fp32 residual)."""
+    in range), and the accumulators are scaled by rsqrt(mean(x^2) + eps) * g_scale at the end. NORM_X False: the
+    weight already holds the norm weight, x enters the dot as loaded. SS_PARTS > 0: the sums of squares are not
+    computed from x but summed from the producer's n_parts per-tile partials at SS (SS_OUT of _finish_tile), loaded
+    before the K loop. RES_ADD / SS_OUT: see _finish_tile (R: the fp32 residual, loaded before the K loop)."""
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
     if PREFETCH_K > 0:
         prefetch_rows_l2(W + k_start, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, stride_wn, K - k_start, PREFETCH_K)
     pdl_enter(PDL)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_pre = tl.zeros((16, 16), dtype=tl.float32)
+    if RES_ADD and SPLIT_K == 1:  # the residual rows' loads overlap the K loop
+        r_pre = tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :],
+                        mask=(offs_m < M)[:, None] & (offs_n < N)[None, :], other=0.0)
+    if SS_PARTS > 0:
+        offs_t = tl.arange(0, SS_PARTS)
+        ss_parts = tl.load(SS + offs_t[:, None] * BLOCK_M + offs_m[None, :], mask=(offs_t < n_parts)[:, None],
+                           other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N) if GATED else (16, 16), dtype=tl.float32)
     sumsq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -179,9 +208,10 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_p
         x = XD.load([0, k0])
         if SILU_MUL:
             x = _silu_times(x.to(tl.float32), UD.load([0, k0]).to(tl.float32)).to(x.dtype)
-        if NORM:
+        if NORM and (SS_PARTS == 0 or NORM_X):
             xf = x.to(tl.float32)
-            sumsq += tl.sum(xf * xf, axis=1)
+            if SS_PARTS == 0:
+                sumsq += tl.sum(xf * xf, axis=1)
             if NORM_X:  # (otherwise the weight holds the norm weight already: x enters the dot as loaded)
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 x = (xf * tl.load(G + offs_k, mask=offs_k < K, other=0.0)[None, :]).to(x.dtype)
@@ -189,17 +219,18 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, M, N, K, k_p
         acc = tl.dot(x, w.T, acc)
         if GATED:  # the up rows (a gate tile past N reads up rows: those features are not stored)
             acc_u = tl.dot(x, WD.load([N + pid * BLOCK_N, k0]).T, acc_u)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     if NORM:
+        if SS_PARTS > 0:
+            sumsq = tl.sum(ss_parts, axis=0)
         row_scale = (tl.rsqrt(sumsq / K + eps) * g_scale)[:, None]
         acc = acc * row_scale
         if GATED:
             acc_u = acc_u * row_scale
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, pid, offs_m, offs_n, offs_m < M, offs_n < N, N, stride_ym,
-                 BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD)
+    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N,
+                 stride_ym, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD, RES_ADD and SPLIT_K == 1,
+                 SS_OUT)
 
 
 def _specs() -> list[CompileSpec]:
@@ -223,18 +254,23 @@ register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)
 def _tma_specs() -> list[CompileSpec]:
     sig = {"XD": "tensordesc<fp16[64, 128]>", "UD": "tensordesc<fp16[64, 128]>", "WD": "tensordesc<fp16[64, 128]>",
            "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "G": "*fp32", "R": "*fp32",
-           "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_wn": "i32", "stride_ym": "i32",
-           "stride_rm": "i32", "eps": "fp32", "g_scale": "fp32", "BLOCK_M": "constexpr",
+           "SS": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_wn": "i32",
+           "stride_ym": "i32", "stride_rm": "i32", "eps": "fp32", "g_scale": "fp32", "n_parts": "i32",
+           "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
            "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr",
-           "NORM": "constexpr", "RES_ADD": "constexpr", "NORM_X": "constexpr"}
+           "NORM": "constexpr", "RES_ADD": "constexpr", "NORM_X": "constexpr", "SS_OUT": "constexpr",
+           "SS_PARTS": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
                               "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "RES_ADD": ra,
-                              "NORM_X": True},
-                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} norm={nm} res_add={ra} tma")
-            for sk, b, s, gt, nm, ra in ((1, False, False, False, False, False), (2, True, True, False, False, False),
-                                         (1, True, False, True, False, False), (1, False, False, True, True, False),
-                                         (1, False, False, False, True, False), (2, False, False, False, False, True))]
+                              "NORM_X": nx, "SS_OUT": ra and nm is False, "SS_PARTS": sp},
+                        f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} norm={nm} res_add={ra} "
+                        f"norm_x={nx} parts={sp} tma")
+            for sk, b, s, gt, nm, ra, nx, sp in (
+                (1, False, False, False, False, False, True, 0), (2, True, True, False, False, False, True, 0),
+                (1, True, False, True, False, False, True, 0), (1, False, False, True, True, False, False, 64),
+                (1, False, False, False, True, False, True, 0), (2, False, False, False, False, True, True, 0),
+                (1, False, False, False, False, True, True, 0))]
 
 
 register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), compat=False)  # sm_90+ only
@@ -302,7 +338,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
                config: tuple = CONFIGS[0], silu_mul: bool = False,
                out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
                gated: bool = False, norm: Optional["FoldedNorm"] = None,
-               residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+               residual: Optional[torch.Tensor] = None, sumsq_out: Optional[torch.Tensor] = None,
+               sumsq_in: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
@@ -310,7 +347,10 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K).
     norm (TMA configs without split-K only): x is the un-normalised residual rows, rounded to x's dtype, and the
     product is with RMSNorm(x) (FoldedNorm). residual (fp32 [M, N], TMA configs only): residual += the product in
-    place, and the result is the new residual rounded to x's dtype."""
+    place, and the result is the new residual rounded to x's dtype. sumsq_out (with residual; fp32, at least
+    n_tiles * row_block(M) elements): each output tile's per-row sums of squares of the result, for the next
+    GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with norm: the norm's sums of squares are
+    summed from those partials instead of computed from x (x must be the producer's result)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
@@ -318,7 +358,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
             or w.stride(1) != 1 or x.stride(1) != 1 or x.dtype != w.dtype
             or x.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
             or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))
-            or ((norm is not None or residual is not None) and not _tma_fold_ok(x, w, k, config, norm, residual))):
+            or ((norm is not None or residual is not None) and not _tma_fold_ok(x, w, k, config, norm, residual))
+            or (sumsq_out is not None and residual is None) or (sumsq_in is not None and norm is None)):
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
@@ -351,11 +392,17 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         wd = TensorDescriptor.from_tensor(w, [block_n, block_k])
         g = norm.weight if norm is not None else ws
         r = residual if residual is not None else ws
+        ss, n_parts = sumsq_in if sumsq_in is not None else (sumsq_out if sumsq_out is not None else ws, 0)
+        if sumsq_out is not None and sumsq_out.numel() < n_tiles * block_m:
+            raise ValueError(f"batch_gemm: sumsq_out holds {sumsq_out.numel()} < {n_tiles * block_m} partials")
+        if sumsq_in is not None and ss.numel() < n_parts * block_m:
+            raise ValueError(f"batch_gemm: sumsq_in holds {ss.numel()} < {n_parts * block_m} partials")
         _batch_gemm_tma_kernel[(n_tiles, split)](
-            xd, ud, wd, w, b, out, ws, counters, g, r, m, n, k, tiles_per_split * block_k, w.stride(0), out.stride(0),
-            r.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
-            norm.scale if norm is not None else 1.0, NORM=norm is not None, RES_ADD=residual is not None,
-            NORM_X=norm is None or not norm.in_weight, **meta)
+            xd, ud, wd, w, b, out, ws, counters, g, r, ss, m, n, k, tiles_per_split * block_k, w.stride(0),
+            out.stride(0), r.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
+            norm.scale if norm is not None else 1.0, n_parts, NORM=norm is not None, RES_ADD=residual is not None,
+            NORM_X=norm is None or not norm.in_weight, SS_OUT=sumsq_out is not None,
+            SS_PARTS=triton.next_power_of_2(n_parts) if n_parts else 0, **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
             x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
