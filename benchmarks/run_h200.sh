@@ -2318,6 +2318,21 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171b)  # (session 71; carry .whl) the norm-folded decode layers in the engine: their GPU tests and the decode-batch
+    # GEMM's, then #4's case A (NORM_FOLD off: the layers as before) / B (the start-up tuner decides) in one call
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py "tests/gpu/test_gemv_cuda.py::test_batch_gemm_split_k_in_graph_is_deterministic" \
+      -p no:cacheprovider -rfs > "$out/tests-$sha.txt" 2>&1; echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"
+    grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
+    for side in B A; do
+      set_arg=""; [ $side = A ] && set_arg="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
+      timeout 240 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" --output-dir "$out" \
+        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-fold$side-$sha > "$out/c64-$side.log" 2>&1
+      echo "== side $side"; grep -A6 "RMSNorms folded" "$out/c64-$side.log" | head -6
+      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64-$side.log"
+    done
+    ;;
   s171a)  # (session 71; carry .whl) the RMSNorms folded into the 8B decode-batch GEMMs (micro/norm_fold_chain.py):
     # the 36-layer GEMM chain at 64 and 32 rows, production vs folded, each role's best TMA tile (+ cuBLAS for qkv)
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader

@@ -338,10 +338,13 @@ class ModelRunner:
     def reload_weights(self) -> None:
         """Load the weights again into the model's existing tensors (sleep level 2's wake-up: worker/sleep_mode.py);
         --load-format dummy draws the same seeded random values again."""
+        from voltllm.worker.norm_fold_tuning import refold_after_reload
+
         if self.config.model.load_format == "dummy":
             init_dummy_weights(self.model, self.config.model.seed, self.device)
         else:
             self.model.load_weights(self._checkpoint_weights())
+        refold_after_reload(self.model)
 
     def _keep_quantized(self) -> bool:
         """Resolve ModelConfig.quantized_weights. "auto" keeps the weights quantized when, dequantized, they would
@@ -1165,9 +1168,12 @@ class ModelRunner:
             # costs it 39-66 us against cuBLAS's 13-16 at the same GPU time (H100, 8B shapes, 3-64 rows,
             # results/session68/eager-gemm-host-cost-h100.txt): cuBLAS there too
             if self.config.device.compat == "none" and not self.config.device.enforce_eager:
+                sizes = decode_capture_sizes(self.config.scheduler.max_num_seqs, self.config.device.cuda_graphs)
                 for model in models:
-                    tune_batch_gemm(model, decode_capture_sizes(self.config.scheduler.max_num_seqs,
-                                                                self.config.device.cuda_graphs))
+                    tune_batch_gemm(model, sizes)
+                from voltllm.worker.norm_fold_tuning import tune_norm_fold
+
+                tune_norm_fold(self.model, sizes)  # (after tune_batch_gemm: it times the layers on those choices)
 
     def _tune_quant_tiles(self) -> None:
         """Weights kept quantized: the dequant-GEMM's tile per kind, shape and row class, timed on this GPU."""

@@ -34,6 +34,7 @@ from voltllm.model.layers.rotary import RotaryEmbedding
 from voltllm.model.layers.vocab_parallel import VocabParallelEmbedding
 from voltllm.model.models.aux_hidden import AuxHiddenCapture
 from voltllm.model.sliding_window import layer_window
+from voltllm.model.norm_fold import NormFoldStep
 
 
 # (qwen3_vl_text / qwen3_vl_moe_text: Qwen3-VL's text models, a qwen3 / qwen3_moe)
@@ -155,6 +156,8 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, ctx, fused: bool = False):
         """(mlp output, residual); with `fused` (see LlamaForCausalLM.fused_decode) the norms and residual adds
         run inside the GEMMs and the result is (None, residual): the residual already holds the MLP output."""
+        if isinstance(fused, NormFoldStep):
+            return self._forward_norm_folded(positions, x, residual, ctx, fused)
         if fused:
             return self._forward_fused(positions, x, residual, ctx)
         if residual is None:
@@ -178,6 +181,22 @@ class DecoderLayer(nn.Module):
         gate_up = norm_linear(mlp.gate_up_proj, residual, self.post_attention_layernorm, gated=gated)
         linear_add_(mlp.down_proj, gate_up, residual, silu_mul=not gated)
         return None, residual
+
+    def _forward_norm_folded(self, positions, x, residual, ctx, step: "NormFoldStep"):
+        """A decode batch with the norms inside the decode-batch GEMMs (model/norm_fold.py): x is the residual
+        rounded to the model's dtype (the embeddings at the first layer); returns (the new residual rounded, the
+        fp32 residual). Four launches for the projections, norms and adds (six unfused)."""
+        from voltllm.kernels.batch_gemm import batch_gemm
+
+        if residual is None:
+            residual = residual_stream(x)
+        attn, mlp, cfg = self.self_attn, self.mlp, step.configs
+        qkv = batch_gemm(x, attn.qkv_proj.weight, attn.qkv_proj.bias, config=cfg["qkv"], norm=step.norm,
+                         sumsq_in=step.parts)
+        x = step.add_to_residual(attn.o_proj, attn.attend(positions, qkv, ctx), residual, cfg["o"])
+        act = batch_gemm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, config=cfg["gate_up"], gated=True,
+                         norm=step.norm, sumsq_in=step.parts)
+        return step.add_to_residual(mlp.down_proj, act, residual, cfg["down"]), residual
 
 
 # The fused one-row decode trades launches for L2 traffic: every GEMV program re-reads the fp32 residual and the
@@ -286,6 +305,16 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
             p.skinny and p.lora is None and p.weight.numel() * p.weight.element_size() <= FUSED_DECODE_MAX_WEIGHT_BYTES
             for layer in self.layers for p in layer.projections())
 
+    # the decode-batch row counts that run the norm-folded layers (model/norm_fold.py, chosen at start-up)
+    norm_fold = None
+
+    def norm_fold_step(self, input_ids: torch.Tensor) -> Optional[NormFoldStep]:
+        """A CUDA decode batch at a row count the start-up timing chose the norm-folded layers for."""
+        plan = self.norm_fold
+        if plan is None or not input_ids.is_cuda or input_ids.dim() != 1 or self.aux_hidden is not None:
+            return None
+        return plan.step(input_ids.numel())
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = None
         if self.embed_tokens is None:  # a later pipeline stage
@@ -297,7 +326,7 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
             x.index_copy_(0, images[0], images[1].to(x.dtype))
             deepstack = ctx.extra.get("image_deepstack")  # Qwen3-VL: one set of rows per level, the same tokens
-        fused = self.fused_decode(input_ids)
+        fused = self.fused_decode(input_ids) or (images is None and self.norm_fold_step(input_ids)) or False
         aux = self.aux_hidden is not None  # a DFlash drafter's or EAGLE-3 head's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, fused)

@@ -1,0 +1,118 @@
+"""The norm-folded decode layers (voltllm.model.norm_fold) on CUDA: the decode-batch TMA GEMM's folded forms at the
+8B's shapes against the fp32 reference (fresh random inputs, outputs poisoned first), a tiny fp16 qwen3 engine whose
+folded layers give the unfused layers' tokens and logprobs, and the start-up choice end to end (a plan only where
+it timed faster, CUDA-graph replays equal to eager steps)."""
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_tma():
+    from voltllm.kernels.batch_gemm import tma_supported
+
+    if not tma_supported(torch.device("cuda")):
+        pytest.skip("needs a TMA GPU (sm_90+)")
+
+
+@pytest.mark.parametrize("rows", [16, 33, 64])
+def test_folded_gemm_forms_real_shapes(rows):
+    """o_proj / down adding into the fp32 residual with per-tile sums of squares, then qkv / gated gate_up with the
+    norm folded in (the norm weight in the weight, the sums from the partials), as the layers chain them."""
+    _need_tma()
+    from voltllm.kernels.batch_gemm import FoldedNorm, batch_gemm, batch_gemm_ref
+    from voltllm.model.norm_fold import FOLD_CONFIGS
+
+    torch.manual_seed(rows)
+    dev, h = torch.device("cuda"), 4096
+    attn = torch.randn(rows, h, device=dev, dtype=torch.float16)
+    wo = torch.randn(h, h, device=dev, dtype=torch.float16) / h ** 0.5
+    res = torch.randn(rows, h, device=dev) * 4
+    res0 = res.clone()
+    g = 1 + 0.2 * torch.randn(h, device=dev)
+    norm = FoldedNorm(torch.ones(h, device=dev), 1e-6)
+    norm.in_weight = True
+    parts = torch.full((256 * 64,), float("nan"), device=dev)
+    x16 = torch.full((rows, h), float("nan"), device=dev, dtype=torch.float16)
+    batch_gemm(attn, wo, config=FOLD_CONFIGS["o"], out=x16, residual=res, sumsq_out=parts)
+    ref_res = res0 + batch_gemm_ref(attn, wo).float()
+    assert ((res - ref_res).norm() / ref_res.norm()).item() < 2e-3
+    assert torch.equal(x16, res.half())
+    n_parts = h // FOLD_CONFIGS["o"][0]
+    for name, n, gated in (("qkv", 6144, False), ("gate_up", 12288, True)):
+        w = torch.randn(2 * n if gated else n, h, device=dev, dtype=torch.float16) / h ** 0.5
+        out = torch.full((rows, n), float("nan"), device=dev, dtype=torch.float16)
+        batch_gemm(x16, (w * g.half()).contiguous(), config=FOLD_CONFIGS[name], out=out, gated=gated, norm=norm,
+                   sumsq_in=(parts, n_parts))
+        ref = batch_gemm_ref(x16, w, gated=gated, norm=(g, 1e-6, 0.0)).float()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 3e-3, (name, rows, err)
+        # the first layer's form: the sums of squares from x itself
+        out.fill_(float("nan"))
+        batch_gemm(x16, (w * g.half()).contiguous(), config=FOLD_CONFIGS[name], out=out, gated=gated, norm=norm)
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 3e-3, (name, rows, "sums from x", err)
+
+
+def _engine(d, **kw):
+    from tiny_models import make_model
+    from voltllm import LLM
+
+    return LLM(make_model(d, "qwen3", num_hidden_layers=3, hidden_size=256, intermediate_size=768,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=32), dtype="float16",
+               device="cuda", gpu_memory_utilization=0.3, max_model_len=512, max_num_seqs=32, **kw)
+
+
+def _run(llm, prompts):
+    from voltllm import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+
+
+PROMPTS = [f"prompt {i}: the quick brown fox " * (1 + i % 3) for i in range(20)]
+
+
+def test_folded_layers_match_unfused_eager():
+    """Eager steps (no tuner): the plan forced at every row count from 2 to 64 against the unfused layers."""
+    _need_tma()
+    import voltllm.model.norm_fold as nf
+
+    with tempfile.TemporaryDirectory() as d:
+        llm = _engine(d, enforce_eager=True)
+        model = llm.engine.runner.model
+        assert nf.ineligible(model) is None
+        plain_tokens, plain_lps = _run(llm, PROMPTS)
+        nf.fold_norm_weights(model)
+        model.norm_fold = nf.NormFoldPlan(model, {r: dict(nf.FOLD_CONFIGS) for r in range(2, 65)})
+        tokens, lps = _run(llm, PROMPTS)
+    worst = max(abs(a - b) for x, y in zip(plain_lps, lps) for a, b in zip(x, y))
+    same = sum(a == b for a, b in zip(plain_tokens, tokens))
+    assert same >= len(PROMPTS) - 1 and worst < 0.05 or tokens == plain_tokens, (same, worst)
+
+
+def test_start_up_choice_and_graphs():
+    """The tuner's choice as the engine makes it: a plan only for timed row counts; graph replays (decode at the
+    plan's sizes) give the eager engine's tokens on the same folded weights."""
+    _need_tma()
+    with tempfile.TemporaryDirectory() as d:
+        llm = _engine(d)
+        model = llm.engine.runner.model
+        plan = model.norm_fold
+        tokens, lps = _run(llm, PROMPTS)
+        if plan is None:
+            pytest.skip("the start-up timing kept the unfused layers on this GPU for this model")
+        assert set(plan.configs) <= set(range(16, 65))
+        runner = llm.engine.runner
+        graphs, runner.graphs = runner.graphs, None  # the same engine's eager steps (the folded weights)
+        try:
+            eager_tokens, eager_lps = _run(llm, PROMPTS)
+        finally:
+            runner.graphs = graphs
+    worst = max(abs(a - b) for x, y in zip(eager_lps, lps) for a, b in zip(x, y))
+    assert tokens == eager_tokens or worst < 0.05, worst

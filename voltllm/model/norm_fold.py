@@ -1,0 +1,107 @@
+"""RMSNorms folded into the decode-batch GEMMs of dense Llama-family layers (fp16 weights, TMA GPUs).
+
+An unfused decoder layer at a decode batch runs eight kernels: add + RMSNorm, qkv, RoPE + KV store, attention,
+o_proj, add + RMSNorm, gated gate_up, down. At 64 rows on an 8B model every kernel boundary costs ~2-4 us of a
+~140 us layer (docs/kernels.md, session 38), and the two norm launches carry no weight traffic at all. Folded:
+
+- each RMSNorm's weight g is multiplied into the columns of the GEMM that consumes it (qkv, gate_up) once, when
+  the plan is made (`fold_norm_weights`), and the norm module keeps a unit weight, so every other path (prefill,
+  one-row decode) computes the same function with the folded weight;
+- o_proj and down add their product to the fp32 residual in their epilogue, write the sum rounded to fp16 (the next
+  GEMM's input) and each output tile's per-row sum of squares of it (`NormFoldPlan.sumsq`);
+- qkv and gate_up read those rows as they are and scale their accumulators by rsqrt(mean(x^2) + eps), summing the
+  producer's per-tile partials (loaded before their K loop); the first layer computes the sums from its x.
+
+`voltllm.worker.norm_fold_tuning` times the layer stack both ways at each decode row count at start-up and makes a
+plan only where the folded stack is faster. The rounding differs from the unfused path by the fp16 rounding of W * g
+and of the residual the GEMM reads (the fp32 residual stream itself is unchanged).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+# The tiles of the four roles (BLOCK_N, BLOCK_K, warps, stages, split-K, TMA): the fastest of the TMA candidates for
+# the 8B shapes at 64 rows in the folded forms (H100, benchmarks/results/session71/norm-fold-chain-*.txt).
+FOLD_CONFIGS = {"qkv": (64, 128, 4, 6, 1, True), "o": (32, 256, 4, 4, 1, True),
+                "gate_up": (64, 128, 4, 6, 1, True), "down": (32, 256, 4, 4, 1, True)}
+MIN_ROWS = 16  # below, the decode-batch tiles are mostly masked rows (and cuBLAS often wins the projections)
+
+
+def ineligible(model) -> Optional[str]:
+    """Why `model` cannot run norm-folded decode batches (None when it can)."""
+    from voltllm.kernels.batch_gemm import tma_supported
+    from voltllm.model.layers.linear import UnquantizedLinearMethod
+    from voltllm.model.models.llama import LlamaForCausalLM
+
+    if type(model) is not LlamaForCausalLM:
+        return f"{type(model).__name__} is not a plain Llama-family decoder"
+    if model.has_moe or model.tp is not None or model.pp is not None:
+        return "MoE, tensor- or pipeline-parallel"
+    if model.dtype != torch.float16:
+        return f"{model.dtype} (the folded epilogue adds into an fp32 residual stream: fp16 models)"
+    for layer in model.layers:
+        for p in layer.projections():
+            if not isinstance(p.method, UnquantizedLinearMethod) or p.lora is not None:
+                return "quantized or LoRA projections"
+            if not p.weight.is_cuda or not tma_supported(p.weight.device):
+                return "weights not on a TMA GPU"
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.numel() != model.config.hidden_size:
+                return "norm width differs from the hidden size"
+    return None
+
+
+@torch.no_grad()
+def fold_norm_weights(model) -> None:
+    """W[:, k] *= g[k] for qkv (input_layernorm) and gate_up (post_attention_layernorm) in every layer, and the norm
+    weights become unit (weight + offset = 1). Idempotent: a second call multiplies by 1. Done in row blocks to bound
+    the fp32 scratch."""
+    for layer in model.layers:
+        for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
+                           (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
+            g = norm.weight.float() + norm.offset
+            w = proj.weight
+            for r in range(0, w.shape[0], 1024):
+                w[r:r + 1024].copy_((w[r:r + 1024].float() * g).to(w.dtype))
+            norm.weight.fill_(1.0 - norm.offset)
+
+
+class NormFoldPlan:
+    """Which decode row counts run folded, with which tiles; the partial-sum buffer and the norm all layers share
+    (one eps: the layers' norms are built from one config)."""
+
+    def __init__(self, model, configs: dict[int, dict[str, tuple]]):
+        from voltllm.kernels.batch_gemm import FoldedNorm
+
+        hidden = model.config.hidden_size
+        device = model.layers[0].self_attn.qkv_proj.weight.device
+        self.configs = configs
+        tiles = max(-(-hidden // c[role][0]) for c in configs.values() for role in ("o", "down"))
+        self.sumsq = torch.zeros(tiles * 64, dtype=torch.float32, device=device)
+        self.norm = FoldedNorm(torch.ones(hidden, device=device), model.layers[0].input_layernorm.eps)
+        self.norm.in_weight = True  # fold_norm_weights put g into the weights
+
+    def step(self, rows: int) -> Optional["NormFoldStep"]:
+        configs = self.configs.get(rows)
+        return NormFoldStep(self, configs) if configs is not None else None
+
+
+class NormFoldStep:
+    """One forward's state: the tiles for its row count and the partial sums the last residual-add GEMM left."""
+
+    def __init__(self, plan: NormFoldPlan, configs: dict[str, tuple]):
+        self.configs = configs
+        self.norm = plan.norm
+        self.sumsq = plan.sumsq
+        self.parts: Optional[tuple[torch.Tensor, int]] = None
+
+    def add_to_residual(self, proj, x: torch.Tensor, residual: torch.Tensor, config: tuple) -> torch.Tensor:
+        """residual += proj(x) in place; returns the new residual rounded (the next folded GEMM's input), with this
+        GEMM's per-tile sums of squares of it in `sumsq`."""
+        from voltllm.kernels.batch_gemm import batch_gemm
+
+        out = batch_gemm(x, proj.weight, proj.bias, config=config, residual=residual, sumsq_out=self.sumsq)
+        self.parts = (self.sumsq, -(-proj.weight.shape[0] // config[0]))
+        return out
