@@ -2318,6 +2318,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171c)  # (session 71; carry .whl) the norm-fold GPU file after its comparison was mended, the sleep-mode file (a
+    # level-2 wake-up reloads the weights: the fold is applied again) and the engine file; then #4's case once
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    timeout 330 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py tests/gpu/test_sleep_mode_gpu.py \
+      tests/gpu/test_engine_gpu.py -p no:cacheprovider -rfs > "$out/tests-$sha.txt" 2>&1
+    echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"; grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
+    (( SECONDS < 420 )) && { c64_batch; grep -A5 "RMSNorms folded" "$out/batch.log" | head -5; }
+    ;;
   s171b)  # (session 71; carry .whl) the norm-folded decode layers in the engine: their GPU tests and the decode-batch
     # GEMM's, then #4's case A (NORM_FOLD off: the layers as before) / B (the start-up tuner decides) in one call
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader

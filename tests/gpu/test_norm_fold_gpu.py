@@ -68,11 +68,26 @@ def _engine(d, **kw):
 
 
 def _run(llm, prompts):
+    """Per prompt: the greedy tokens and, per position, {token: logprob} of the top two and the chosen."""
     from voltllm import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0))
-    return ([list(o.outputs[0].token_ids) for o in outs],
-            [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2))
+    return [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def _assert_agree(ref, got, bound=0.05):
+    """Equal tokens with logprobs within `bound` up to each request's first difference, which must be a near-tie of
+    the reference (the other token within 2 * bound of its choice); nothing is compared after it."""
+    flips = 0
+    for (rt, rl), (gt, gl) in zip(ref, got):
+        for i, (a, b) in enumerate(zip(rt, gt)):
+            if a != b:
+                flips += 1
+                assert b in rl[i] and rl[i][a] - rl[i][b] < 2 * bound, (i, rl[i], gl[i])
+                break
+            assert abs(rl[i][a] - gl[i][b]) < bound, (i, rl[i][a], gl[i][b])
+    assert flips <= len(ref) // 4, flips
 
 
 PROMPTS = [f"prompt {i}: the quick brown fox " * (1 + i % 3) for i in range(20)]
@@ -87,32 +102,34 @@ def test_folded_layers_match_unfused_eager():
         llm = _engine(d, enforce_eager=True)
         model = llm.engine.runner.model
         assert nf.ineligible(model) is None
-        plain_tokens, plain_lps = _run(llm, PROMPTS)
+        plain = _run(llm, PROMPTS)
         nf.fold_norm_weights(model)
         model.norm_fold = nf.NormFoldPlan(model, {r: dict(nf.FOLD_CONFIGS) for r in range(2, 65)})
-        tokens, lps = _run(llm, PROMPTS)
-    worst = max(abs(a - b) for x, y in zip(plain_lps, lps) for a, b in zip(x, y))
-    same = sum(a == b for a, b in zip(plain_tokens, tokens))
-    assert same >= len(PROMPTS) - 1 and worst < 0.05 or tokens == plain_tokens, (same, worst)
+        _assert_agree(plain, _run(llm, PROMPTS))
 
 
 def test_start_up_choice_and_graphs():
-    """The tuner's choice as the engine makes it: a plan only for timed row counts; graph replays (decode at the
-    plan's sizes) give the eager engine's tokens on the same folded weights."""
+    """The tuner's choice as the engine makes it (a plan only for timed row counts from 16 rows); then, with the plan
+    forced at every graph size from 16 rows and the graphs captured again, replays agree with the same engine's eager
+    steps on the same folded weights."""
     _need_tma()
+    import voltllm.model.norm_fold as nf
+
     with tempfile.TemporaryDirectory() as d:
         llm = _engine(d)
-        model = llm.engine.runner.model
-        plan = model.norm_fold
-        tokens, lps = _run(llm, PROMPTS)
-        if plan is None:
-            pytest.skip("the start-up timing kept the unfused layers on this GPU for this model")
-        assert set(plan.configs) <= set(range(16, 65))
         runner = llm.engine.runner
-        graphs, runner.graphs = runner.graphs, None  # the same engine's eager steps (the folded weights)
+        model = runner.model
+        if model.norm_fold is not None:
+            assert set(model.norm_fold.configs) <= set(range(16, 65))
+        nf.fold_norm_weights(model)  # (idempotent where the tuner folded already)
+        model.norm_fold = nf.NormFoldPlan(model, {r: dict(nf.FOLD_CONFIGS) for r in range(16, 65)})
+        runner.drop_cuda_graphs()
+        runner.capture_cuda_graphs()
+        replayed = _run(llm, PROMPTS)
+        assert runner.graphs is not None and runner.graphs.replays > 0
+        graphs, runner.graphs = runner.graphs, None  # the same engine's eager steps
         try:
-            eager_tokens, eager_lps = _run(llm, PROMPTS)
+            eager = _run(llm, PROMPTS)
         finally:
             runner.graphs = graphs
-    worst = max(abs(a - b) for x, y in zip(eager_lps, lps) for a, b in zip(x, y))
-    assert tokens == eager_tokens or worst < 0.05, worst
+    _assert_agree(eager, replayed)

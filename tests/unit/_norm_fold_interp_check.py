@@ -38,7 +38,7 @@ def run(llm):
 with tempfile.TemporaryDirectory() as d:
     llm = LLM(make_model(d, kind, num_hidden_layers=2), device="cpu", dtype="float16", enforce_eager=True)
     model = llm.engine.runner.model
-    assert nf.ineligible(model) == "weights not on a TMA GPU", nf.ineligible(model)
+    assert nf.ineligible(model).startswith("weights not on a TMA GPU"), nf.ineligible(model)
     plain_tokens, plain_lps = run(llm)
     nf.fold_norm_weights(model)
     assert all(float(layer.input_layernorm.weight.float().sub(1).abs().max()) == 0 for layer in model.layers)

@@ -31,6 +31,7 @@ MIN_ROWS = 16  # below, the decode-batch tiles are mostly masked rows (and cuBLA
 
 def ineligible(model) -> Optional[str]:
     """Why `model` cannot run norm-folded decode batches (None when it can)."""
+    from voltllm.host_memory import in_host_memory
     from voltllm.kernels.batch_gemm import tma_supported
     from voltllm.model.layers.linear import UnquantizedLinearMethod
     from voltllm.model.models.llama import LlamaForCausalLM
@@ -45,8 +46,8 @@ def ineligible(model) -> Optional[str]:
         for p in layer.projections():
             if not isinstance(p.method, UnquantizedLinearMethod) or p.lora is not None:
                 return "quantized or LoRA projections"
-            if not p.weight.is_cuda or not tma_supported(p.weight.device):
-                return "weights not on a TMA GPU"
+            if not p.weight.is_cuda or in_host_memory(p.weight) or not tma_supported(p.weight.device):
+                return "weights not on a TMA GPU (or offloaded to host memory)"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.numel() != model.config.hidden_size:
                 return "norm width differs from the hidden size"
