@@ -2318,6 +2318,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171d)  # (session 71; carry .whl) with the norm-folded layers (qkv now a PDL-aware Triton GEMM at 64 rows): #4's case
+    # with QK-norm + RoPE + KV store inside the decode kernel (FUSED_DECODE_ROPE, every program count) vs the RoPE launch
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    for side in C B; do
+      set_arg=""; [ $side = C ] && set_arg="--set voltllm.attention.triton_backend:FUSED_DECODE_ROPE=True --set voltllm.attention.triton_backend:FUSED_DECODE_ROPE_MAX_PROGRAMS=1048576"
+      timeout 250 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" --output-dir "$out" \
+        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-rope$side-$sha > "$out/c64-$side.log" 2>&1
+      echo "== side $side"; grep -E "^set |M=64: layers" "$out/c64-$side.log" | head -4
+      grep -E "^(concurrent|output_tok|ttft|tpot) " "$out/c64-$side.log"
+    done
+    ;;
   s171c)  # (session 71; carry .whl) the norm-fold GPU file after its comparison was mended, the sleep-mode file (a
     # level-2 wake-up reloads the weights: the fold is applied again) and the engine file; then #4's case once
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
