@@ -2318,6 +2318,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171e)  # (session 71; carry .whl) the norm-folded layers, A B A in one call (A: NORM_FOLD off), #4's case
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    for side in A1 B A2; do
+      set_arg=""; [ $side != B ] && set_arg="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
+      timeout 170 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" --output-dir "$out" \
+        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
+        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-fold$side-$sha > "$out/c64-$side.log" 2>&1
+      echo "== side $side"; grep -E "M=64: layers" "$out/c64-$side.log" | head -1
+      grep -E "^(concurrent|output_tok|ttft|tpot) " "$out/c64-$side.log"
+    done
+    ;;
   s171d)  # (session 71; carry .whl) with the norm-folded layers (qkv now a PDL-aware Triton GEMM at 64 rows): #4's case
     # with QK-norm + RoPE + KV store inside the decode kernel (FUSED_DECODE_ROPE, every program count) vs the RoPE launch
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
