@@ -94,6 +94,22 @@ for m, hid, gated in ((17, 96, False), (64, 160, True)):
         ref = batch_gemm_ref(x16, wn, gated=gated, norm=(g, 1e-6, 0.0))
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 3e-3, ("batch_gemm norm from partials", m, hid, gated, pcfg, err)
+# a residual row beyond fp16 (2e5): written scaled by 1/16, with eps scaled by 1/256, the next GEMM's norm is the
+# norm of the fp32 rows (unscaled, that row's fp16 copy would be inf)
+res = torch.randn(16, 64) * 3
+res[5] *= 7e4
+x16 = torch.full((16, 64), float("nan"), dtype=torch.float16)
+parts = torch.full((64 * 4,), float("nan"))
+batch_gemm(torch.zeros(16, 32, dtype=torch.float16), torch.zeros(64, 32, dtype=torch.float16),
+           config=(32, 32, 4, 1, 1, True), out=x16, residual=res, sumsq_out=parts, residual_out_scale=1 / 16)
+assert torch.isfinite(x16).all() and torch.equal(x16, (res / 16).half())
+wn = torch.randn(24, 64, dtype=torch.float16) / 8
+fold = FoldedNorm(torch.ones(64), 1e-6 / 256)
+fold.in_weight = True
+out = torch.full((16, 24), float("nan"), dtype=torch.float16)
+batch_gemm(x16, wn, config=(16, 64, 4, 2, 1, True), out=out, norm=fold, sumsq_in=(parts, 2))
+ref = (res * torch.rsqrt(res.pow(2).mean(-1, keepdim=True) + 1e-6)).half().float() @ wn.float().t()
+assert ((out.float() - ref).norm() / ref.norm()).item() < 3e-3, "scaled residual"
 for bad in (dict(norm=FoldedNorm(torch.ones(16), 1e-6), config=(32, 64, 4, 1, 1)),
             dict(norm=FoldedNorm(torch.ones(16), 1e-6), config=(32, 64, 4, 1, 2, True)),
             dict(residual=torch.zeros(16, 8, dtype=torch.float16), config=(32, 64, 4, 1, 1, True))):

@@ -90,8 +90,8 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
         w_ptr += BLOCK_K
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, acc, WS, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym, BLOCK_M,
-                 BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False, False, False)
+    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, acc, WS, 1.0, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym,
+                 BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False, False, False)
 
 
 @triton.jit
@@ -110,21 +110,22 @@ def _silu_times(g, u):
 
 
 @triton.jit
-def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, pid, offs_m, offs_n, mask_m, mask_n, N,
+def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pid, offs_m, offs_n, mask_m, mask_n, N,
                  stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, RES_ADD: tl.constexpr, R_PRE: tl.constexpr, SS_OUT: tl.constexpr):
     """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
     and let the last slice of the tile to arrive sum all partials in slice order and store that. RES_ADD: add the
-    tile to the fp32 residual R in place (R_PRE: its rows loaded before the K loop, r_pre) and store the sum,
-    rounded, as Y (the next norm-folded GEMM's input); SS_OUT: also store each row's sum of squares of the rounded
-    tile at SS[pid * BLOCK_M + row] (the next GEMM's RMSNorm sums the tiles' partials)."""
+    tile to the fp32 residual R in place (R_PRE: its rows loaded before the K loop, r_pre) and store the sum times
+    out_scale, rounded, as Y (the next norm-folded GEMM's input; the scale keeps large residual values inside fp16);
+    SS_OUT: also store each row's sum of squares of that rounded tile at SS[pid * BLOCK_M + row] (the next GEMM's
+    RMSNorm sums the tiles' partials)."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
             acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if RES_ADD:
-            acc = _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y, r_pre, R_PRE)
+            acc = _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y, r_pre, R_PRE) * out_scale
             if SS_OUT:
                 _store_sumsq(acc, Y, SS, pid, offs_m, BLOCK_M)
         tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
@@ -140,7 +141,7 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, pid, offs_m, 
             if HAS_BIAS:
                 total += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             if RES_ADD:
-                total = _residual_add(total, R, stride_rm, offs_m, offs_n, mask_y, r_pre, False)
+                total = _residual_add(total, R, stride_rm, offs_m, offs_n, mask_y, r_pre, False) * out_scale
                 if SS_OUT:
                     _store_sumsq(total, Y, SS, pid, offs_m, BLOCK_M)
             tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
@@ -168,7 +169,7 @@ def _store_sumsq(total, Y, SS, pid, offs_m, BLOCK_M: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])  # (as _batch_gemm_kernel)
 def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, SS, M, N, K, k_per_split, stride_wn, stride_ym,
-                           stride_rm, eps, g_scale, n_parts,
+                           stride_rm, eps, g_scale, n_parts, out_scale,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                            PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
@@ -228,9 +229,9 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, SS, M, N, K,
             acc_u = acc_u * row_scale
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, pid, offs_m, offs_n, offs_m < M, offs_n < N, N,
-                 stride_ym, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD, RES_ADD and SPLIT_K == 1,
-                 SS_OUT)
+    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pid, offs_m, offs_n, offs_m < M,
+                 offs_n < N, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD,
+                 RES_ADD and SPLIT_K == 1, SS_OUT)
 
 
 def _specs() -> list[CompileSpec]:
@@ -256,6 +257,7 @@ def _tma_specs() -> list[CompileSpec]:
            "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "G": "*fp32", "R": "*fp32",
            "SS": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_wn": "i32",
            "stride_ym": "i32", "stride_rm": "i32", "eps": "fp32", "g_scale": "fp32", "n_parts": "i32",
+           "out_scale": "fp32",
            "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
            "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr",
@@ -339,7 +341,7 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
                out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
                gated: bool = False, norm: Optional["FoldedNorm"] = None,
                residual: Optional[torch.Tensor] = None, sumsq_out: Optional[torch.Tensor] = None,
-               sumsq_in: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
+               sumsq_in: Optional[tuple[torch.Tensor, int]] = None, residual_out_scale: float = 1.0) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
@@ -347,10 +349,10 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K).
     norm (TMA configs without split-K only): x is the un-normalised residual rows, rounded to x's dtype, and the
     product is with RMSNorm(x) (FoldedNorm). residual (fp32 [M, N], TMA configs only): residual += the product in
-    place, and the result is the new residual rounded to x's dtype. sumsq_out (with residual; fp32, at least
-    n_tiles * row_block(M) elements): each output tile's per-row sums of squares of the result, for the next
-    GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with norm: the norm's sums of squares are
-    summed from those partials instead of computed from x (x must be the producer's result)."""
+    place, and the result is the new residual times residual_out_scale rounded to x's dtype. sumsq_out (with
+    residual; fp32, at least n_tiles * row_block(M) elements): each output tile's per-row sums of squares of the
+    result, for the next GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with norm: the norm's sums
+    of squares are summed from those partials instead of computed from x (x must be the producer's result)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
@@ -400,8 +402,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         _batch_gemm_tma_kernel[(n_tiles, split)](
             xd, ud, wd, w, b, out, ws, counters, g, r, ss, m, n, k, tiles_per_split * block_k, w.stride(0),
             out.stride(0), r.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
-            norm.scale if norm is not None else 1.0, n_parts, NORM=norm is not None, RES_ADD=residual is not None,
-            NORM_X=norm is None or not norm.in_weight, SS_OUT=sumsq_out is not None,
+            norm.scale if norm is not None else 1.0, n_parts, float(residual_out_scale), NORM=norm is not None,
+            RES_ADD=residual is not None, NORM_X=norm is None or not norm.in_weight, SS_OUT=sumsq_out is not None,
             SS_PARTS=triton.next_power_of_2(n_parts) if n_parts else 0, **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](

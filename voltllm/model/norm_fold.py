@@ -7,14 +7,16 @@ o_proj, add + RMSNorm, gated gate_up, down. At 64 rows on an 8B model every kern
 - each RMSNorm's weight g is multiplied into the columns of the GEMM that consumes it (qkv, gate_up) once, when
   the plan is made (`fold_norm_weights`), and the norm module keeps a unit weight, so every other path (prefill,
   one-row decode) computes the same function with the folded weight;
-- o_proj and down add their product to the fp32 residual in their epilogue, write the sum rounded to fp16 (the next
-  GEMM's input) and each output tile's per-row sum of squares of it (`NormFoldPlan.sumsq`);
+- o_proj and down add their product to the fp32 residual in their epilogue, write the sum times X_SCALE rounded to
+  fp16 (the next GEMM's input) and each output tile's per-row sum of squares of it (`NormFoldPlan.sumsq`);
 - qkv and gate_up read those rows as they are and scale their accumulators by rsqrt(mean(x^2) + eps), summing the
   producer's per-tile partials (loaded before their K loop); the first layer computes the sums from its x.
 
 `voltllm.worker.norm_fold_tuning` times the layer stack both ways at each decode row count at start-up and makes a
 plan only where the folded stack is faster. The rounding differs from the unfused path by the fp16 rounding of W * g
-and of the residual the GEMM reads (the fp32 residual stream itself is unchanged).
+and of the residual the GEMM reads (the fp32 residual stream itself is unchanged). X_SCALE keeps residual values up to
+~1e6 inside fp16 (some fp16 checkpoints' residual streams pass fp16's 65504, which is why the stream is fp32); the
+RMSNorm does not see it (x / rms(x) is scale-free, and eps is scaled with it).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import torch
 # the 8B shapes at 64 rows in the folded forms (H100, benchmarks/results/session71/norm-fold-chain-*.txt).
 FOLD_CONFIGS = {"qkv": (64, 128, 4, 6, 1, True), "o": (32, 256, 4, 4, 1, True),
                 "gate_up": (64, 128, 4, 6, 1, True), "down": (32, 256, 4, 4, 1, True)}
+# The rounded residual the folded GEMMs read is residual * X_SCALE (a power of two: exact scaling).
+X_SCALE = 2.0 ** -4
 MIN_ROWS = 16  # below, the decode-batch tiles are mostly masked rows (and cuBLAS often wins the projections)
 
 
@@ -81,7 +85,9 @@ class NormFoldPlan:
         self.configs = configs
         tiles = max(-(-hidden // c[role][0]) for c in configs.values() for role in ("o", "down"))
         self.sumsq = torch.zeros(tiles * 64, dtype=torch.float32, device=device)
-        self.norm = FoldedNorm(torch.ones(hidden, device=device), model.layers[0].input_layernorm.eps)
+        self.x_scale = X_SCALE
+        # rms(s x) = s rms(x) with eps scaled by s^2: the norm of the scaled rows is the norm of the rows
+        self.norm = FoldedNorm(torch.ones(hidden, device=device), model.layers[0].input_layernorm.eps * X_SCALE ** 2)
         self.norm.in_weight = True  # fold_norm_weights put g into the weights
 
     def step(self, rows: int) -> Optional["NormFoldStep"]:
@@ -96,13 +102,19 @@ class NormFoldStep:
         self.configs = configs
         self.norm = plan.norm
         self.sumsq = plan.sumsq
+        self.x_scale = plan.x_scale
         self.parts: Optional[tuple[torch.Tensor, int]] = None
 
+    def first_input(self, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The first layer's input: the residual stream (the embeddings) scaled and rounded as the epilogues do."""
+        return (residual * self.x_scale).to(dtype)
+
     def add_to_residual(self, proj, x: torch.Tensor, residual: torch.Tensor, config: tuple) -> torch.Tensor:
-        """residual += proj(x) in place; returns the new residual rounded (the next folded GEMM's input), with this
-        GEMM's per-tile sums of squares of it in `sumsq`."""
+        """residual += proj(x) in place; returns the new residual scaled and rounded (the next folded GEMM's input),
+        with this GEMM's per-tile sums of squares of it in `sumsq`."""
         from voltllm.kernels.batch_gemm import batch_gemm
 
-        out = batch_gemm(x, proj.weight, proj.bias, config=config, residual=residual, sumsq_out=self.sumsq)
+        out = batch_gemm(x, proj.weight, proj.bias, config=config, residual=residual, sumsq_out=self.sumsq,
+                         residual_out_scale=self.x_scale)
         self.parts = (self.sumsq, -(-proj.weight.shape[0] // config[0]))
         return out

@@ -65,7 +65,7 @@ def _stacks(model, rows: int, configs: dict[str, tuple]):
 
     def folded():
         res.copy_(x0)
-        x = x0.to(model.dtype)
+        x = step.first_input(x0, model.dtype)
         step.parts = None
         for layer in layers:
             a, m = layer.self_attn, layer.mlp

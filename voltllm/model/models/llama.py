@@ -184,12 +184,13 @@ class DecoderLayer(nn.Module):
 
     def _forward_norm_folded(self, positions, x, residual, ctx, step: "NormFoldStep"):
         """A decode batch with the norms inside the decode-batch GEMMs (model/norm_fold.py): x is the residual
-        rounded to the model's dtype (the embeddings at the first layer); returns (the new residual rounded, the
-        fp32 residual). Four launches for the projections, norms and adds (six unfused)."""
+        scaled and rounded to the model's dtype (the embeddings at the first layer); returns (the new residual so
+        rounded, the fp32 residual). Four launches for the projections, norms and adds (six unfused)."""
         from voltllm.kernels.batch_gemm import batch_gemm
 
         if residual is None:
             residual = residual_stream(x)
+            x = step.first_input(residual, x.dtype)
         attn, mlp, cfg = self.self_attn, self.mlp, step.configs
         qkv = batch_gemm(x, attn.qkv_proj.weight, attn.qkv_proj.bias, config=cfg["qkv"], norm=step.norm,
                          sumsq_in=step.parts)
