@@ -2318,6 +2318,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171f)  # (session 71; carry .whl) the norm-fold GPU file after the residual scale (1/16), then #4's case once
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py -p no:cacheprovider -rfs \
+      > "$out/tests-$sha.txt" 2>&1; echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"
+    grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
+    c64_batch; grep -E "M=(16|32|48|64): layers" "$out/batch.log" | head -4
+    ;;
   s171e)  # (session 71; carry .whl) the norm-folded layers, A B A in one call (A: NORM_FOLD off), #4's case
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
     for side in A1 B A2; do
