@@ -100,8 +100,11 @@ def _triton_gemm_note(runner: Any) -> str:
     many = sum(1 for m in layers if getattr(m, "batch_gemm", None)) + (1 if head_batch else 0)
     if not one and not many:
         return ""
+    fold = getattr(model, "norm_fold", None)  # (model/norm_fold.py, chosen by timing the layer stack)
     return (f"; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on {one} layers"
-            + (f", decode-batch (rows {_row_ranges(rows)}) on {many} layers" if many else ""))
+            + (f", decode-batch (rows {_row_ranges(rows)}) on {many} layers" if many else "")
+            + (f"; RMSNorms folded into the decode-batch GEMMs at rows {_row_ranges(sorted(fold.configs))}"
+               if fold is not None else ""))
 
 
 def _row_ranges(rows: list[int]) -> str:

@@ -411,3 +411,6 @@ def test_triton_gemm_note_counts_the_lm_head_once():
                                              "layers, decode-batch (rows 2, 8) on 2 layers"), tie
         model.layers[0].mlp.down_proj.batch_gemm = {2: ("b",), 3: ("b",), 4: ("b",), 33: ("b",)}
         assert "decode-batch (rows 2-4, 8, 33) on 2 layers" in _triton_gemm_note(runner)
+        assert "RMSNorms folded" not in _triton_gemm_note(runner)
+        model.norm_fold = types.SimpleNamespace(configs={32: {}, 48: {}, 64: {}})  # (the start-up timing's plan)
+        assert _triton_gemm_note(runner).endswith("; RMSNorms folded into the decode-batch GEMMs at rows 32, 48, 64")
