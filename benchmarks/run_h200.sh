@@ -2318,6 +2318,20 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s171g)  # (session 71; carry .whl) the norm-folded layers on small models, A (off) / B in one call: SmolLM2's shape
+    # and qwen3-0.6b-shape at 64 x 128/128 (launch-bound steps: the fold removes two launches per layer)
+    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    for shape in smollm2-135m-shape qwen3-0.6b-shape; do
+      for side in A B; do
+        set_arg=""; [ $side = A ] && set_arg="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
+        timeout 120 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" \
+          --output-dir "$out" --random-weights $shape --dtype half --scenario concurrency --concurrency 64 \
+          --input-len 128 --output-len 128 --num-warm 2 --name $shape-fp16-c64-fold$side-$sha > "$out/$shape-$side.log" 2>&1
+        echo "== $shape $side"; grep -E "M=64: layers" "$out/$shape-$side.log" | head -1
+        grep -E "^(concurrent|output_tok|tpot) " "$out/$shape-$side.log"
+      done
+    done
+    ;;
   s171f)  # (session 71; carry .whl) the norm-fold GPU file after the residual scale (1/16), then #4's case once
     nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
     timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py -p no:cacheprovider -rfs \
