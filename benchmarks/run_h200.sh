@@ -312,6 +312,17 @@ c64_batch() {  # #4's case: one batch of 64 x 128/128
       --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-$sha > "$out/batch.log" 2>&1
     grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/batch.log"
 }
+card() { nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader; }
+C64_8B="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --num-warm 2"
+FOLD_OFF="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
+side_bench() {  # side_bench TAG "SETS" BENCH-ARGS...: one A/B side through micro/bench_with_tma_configs.py (SETS: its
+  # --set module constants), logged as TAG.log; prints the norm-fold tuner's 64-row line and the table's main rows
+  local tag=$1 sets=$2; shift 2
+  timeout 250 python3 benchmarks/micro/bench_with_tma_configs.py none $sets -- --commit "$sha" --output-dir "$out" "$@" \
+    > "$out/$tag.log" 2>&1
+  echo "== $tag"; grep -E "^set |M=64: layers" "$out/$tag.log" | head -4
+  grep -E "^(concurrent|output_tok|ttft|tpot) " "$out/$tag.log"
+}
 c64_stream() {  # c64_stream RANGE_RATIO BUDGET: 320 requests of 128/128 (spread by the ratio), 64 in flight, the
     # next sent as one ends, at --max-num-batched-tokens BUDGET
     bench --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --num-prompts 320 \
@@ -2320,69 +2331,53 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     ;;
   s171g)  # (session 71; carry .whl) the norm-folded layers on small models, A (off) / B in one call: SmolLM2's shape
     # and qwen3-0.6b-shape at 64 x 128/128 (launch-bound steps: the fold removes two launches per layer)
-    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    card
     for shape in smollm2-135m-shape qwen3-0.6b-shape; do
       for side in A B; do
-        set_arg=""; [ $side = A ] && set_arg="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
-        timeout 120 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" \
-          --output-dir "$out" --random-weights $shape --dtype half --scenario concurrency --concurrency 64 \
-          --input-len 128 --output-len 128 --num-warm 2 --name $shape-fp16-c64-fold$side-$sha > "$out/$shape-$side.log" 2>&1
-        echo "== $shape $side"; grep -E "M=64: layers" "$out/$shape-$side.log" | head -1
-        grep -E "^(concurrent|output_tok|tpot) " "$out/$shape-$side.log"
+        set_arg=""; [ $side = A ] && set_arg="$FOLD_OFF"
+        side_bench $shape-$side "$set_arg" ${C64_8B/qwen3-8b-shape/$shape} --name $shape-fp16-c64-fold$side-$sha
       done
     done
     ;;
   s171f)  # (session 71; carry .whl) the norm-fold GPU file after the residual scale (1/16), then #4's case once
-    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    card
     timeout 150 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py -p no:cacheprovider -rfs \
       > "$out/tests-$sha.txt" 2>&1; echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"
     grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
-    c64_batch; grep -E "M=(16|32|48|64): layers" "$out/batch.log" | head -4
+    c64_batch
     ;;
   s171e)  # (session 71; carry .whl) the norm-folded layers, A B A in one call (A: NORM_FOLD off), #4's case
-    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    card
     for side in A1 B A2; do
-      set_arg=""; [ $side != B ] && set_arg="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
-      timeout 170 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" --output-dir "$out" \
-        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-fold$side-$sha > "$out/c64-$side.log" 2>&1
-      echo "== side $side"; grep -E "M=64: layers" "$out/c64-$side.log" | head -1
-      grep -E "^(concurrent|output_tok|ttft|tpot) " "$out/c64-$side.log"
+      set_arg=""; [ $side != B ] && set_arg="$FOLD_OFF"
+      side_bench c64-$side "$set_arg" $C64_8B --name qwen3-8b-shape-fp16-c64-fold$side-$sha
     done
     ;;
   s171d)  # (session 71; carry .whl) with the norm-folded layers (qkv now a PDL-aware Triton GEMM at 64 rows): #4's case
     # with QK-norm + RoPE + KV store inside the decode kernel (FUSED_DECODE_ROPE, every program count) vs the RoPE launch
-    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    card
     for side in C B; do
       set_arg=""; [ $side = C ] && set_arg="--set voltllm.attention.triton_backend:FUSED_DECODE_ROPE=True --set voltllm.attention.triton_backend:FUSED_DECODE_ROPE_MAX_PROGRAMS=1048576"
-      timeout 250 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" --output-dir "$out" \
-        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-rope$side-$sha > "$out/c64-$side.log" 2>&1
-      echo "== side $side"; grep -E "^set |M=64: layers" "$out/c64-$side.log" | head -4
-      grep -E "^(concurrent|output_tok|ttft|tpot) " "$out/c64-$side.log"
+      side_bench c64-$side "$set_arg" $C64_8B --name qwen3-8b-shape-fp16-c64-rope$side-$sha
     done
     ;;
   s171c)  # (session 71; carry .whl) the norm-fold GPU file after its comparison was mended, the sleep-mode file (a
     # level-2 wake-up reloads the weights: the fold is applied again) and the engine file; then #4's case once
-    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    card
     timeout 330 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py tests/gpu/test_sleep_mode_gpu.py \
       tests/gpu/test_engine_gpu.py -p no:cacheprovider -rfs > "$out/tests-$sha.txt" 2>&1
     echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"; grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
-    (( SECONDS < 420 )) && { c64_batch; grep -A5 "RMSNorms folded" "$out/batch.log" | head -5; }
+    (( SECONDS < 420 )) && c64_batch
     ;;
   s171b)  # (session 71; carry .whl) the norm-folded decode layers in the engine: their GPU tests and the decode-batch
     # GEMM's, then #4's case A (NORM_FOLD off: the layers as before) / B (the start-up tuner decides) in one call
-    nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
+    card
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py "tests/gpu/test_gemv_cuda.py::test_batch_gemm_split_k_in_graph_is_deterministic" \
       -p no:cacheprovider -rfs > "$out/tests-$sha.txt" 2>&1; echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"
     grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
     for side in B A; do
-      set_arg=""; [ $side = A ] && set_arg="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
-      timeout 240 python3 benchmarks/micro/bench_with_tma_configs.py none $set_arg -- --commit "$sha" --output-dir "$out" \
-        --random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 \
-        --output-len 128 --num-warm 2 --name qwen3-8b-shape-fp16-c64-fold$side-$sha > "$out/c64-$side.log" 2>&1
-      echo "== side $side"; grep -A6 "RMSNorms folded" "$out/c64-$side.log" | head -6
-      grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/c64-$side.log"
+      set_arg=""; [ $side = A ] && set_arg="$FOLD_OFF"
+      side_bench c64-$side "$set_arg" $C64_8B --name qwen3-8b-shape-fp16-c64-fold$side-$sha
     done
     ;;
   s171a)  # (session 71; carry .whl) the RMSNorms folded into the 8B decode-batch GEMMs (micro/norm_fold_chain.py):

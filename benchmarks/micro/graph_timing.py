@@ -2,8 +2,6 @@
 
     from graph_timing import graph_us  # (the scripts run as `python3 benchmarks/micro/<name>.py`)
 """
-import statistics
-
 import torch
 
 
@@ -30,20 +28,6 @@ def graph_median_us(step, calls: int, replays: int = 5) -> float:
     """step() (which makes `calls` kernel calls, e.g. a chain of layers) captured once into a graph with Python's
     cyclic GC paused (after one eager call, which also compiles); the median over `replays` timed replays, in
     microseconds per call."""
-    from voltllm.worker.cuda_graphs import gc_paused
+    from voltllm.worker.cuda_graphs import replay_median_ms
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return replay_median_ms(step, torch.device("cuda", torch.cuda.current_device()), replays) * 1e3 / calls

@@ -46,6 +46,26 @@ def gc_paused():
 GRAPH_ROWS_LIMIT = 512
 
 
+def replay_median_ms(step, device: torch.device, replays: int = 3) -> float:
+    """Median ms of one replay of step() captured into a CUDA graph (after one eager call, which also compiles), on
+    a stream of `device`, with Python's cyclic GC paused during the capture: start-up timings and micro benchmarks."""
+    step()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with gc_paused(), torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device)):
+        step()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def decode_graph_rows(config) -> int:
     """Rows a decode-form step may have: the compact input buffers' capacity and the graphs' largest batch. One per
     running request; with speculation every request's K + 1 tokens as decode rows (a verification; DFlash's drafter

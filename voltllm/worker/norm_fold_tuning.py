@@ -11,31 +11,12 @@ import logging
 
 import torch
 
-from voltllm.worker.cuda_graphs import gc_paused
+from voltllm.worker.cuda_graphs import replay_median_ms
 
 logger = logging.getLogger("voltllm")
 
 # Whether the start-up tuner times the folded layers at all (an A/B switch for benchmarks/micro's harness; no flag).
 NORM_FOLD = True
-
-
-def _stack_ms(step, device: torch.device, replays: int = 3) -> float:
-    """Median ms of one replay of step() captured into a CUDA graph (after one eager call, which compiles)."""
-    step()
-    torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with gc_paused(), torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device)):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _stacks(model, rows: int, configs: dict[str, tuple]):
@@ -96,7 +77,7 @@ def tune_norm_fold(model, row_counts: list[int]) -> None:
     try:
         for rows in rows_list:
             unfused, folded = _stacks(model, rows, FOLD_CONFIGS)
-            t_unfused, t_folded = _stack_ms(unfused, dev), _stack_ms(folded, dev)
+            t_unfused, t_folded = replay_median_ms(unfused, dev), replay_median_ms(folded, dev)
             if t_folded < t_unfused:
                 chosen[rows] = dict(FOLD_CONFIGS)
             lines.append(f"M={rows}: layers {t_unfused * 1e3:.0f} us as they run, {t_folded * 1e3:.0f} us folded"
