@@ -1,7 +1,7 @@
 """The norm-folded decode layers (voltllm.model.norm_fold) on CUDA: the decode-batch TMA GEMM's folded forms at the
-8B's shapes against the fp32 reference (fresh random inputs, outputs poisoned first), a tiny fp16 qwen3 engine whose
-folded layers give the unfused layers' tokens and logprobs, and the start-up choice end to end (a plan only where
-it timed faster, CUDA-graph replays equal to eager steps)."""
+8B's shapes against the fp32 reference (fresh random inputs, outputs poisoned first), and a tiny fp16 qwen3 engine
+(below the size the start-up choice considers, so the plan is forced) whose folded layers give the unfused layers'
+tokens and logprobs, eagerly and from CUDA-graph replays against the same engine's eager steps."""
 from __future__ import annotations
 
 import tempfile

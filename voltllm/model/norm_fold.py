@@ -70,7 +70,8 @@ def ineligible(model) -> Optional[str]:
 def fold_norm_weights(model) -> None:
     """W[:, k] *= g[k] for qkv (input_layernorm) and gate_up (post_attention_layernorm) in every layer, and the norm
     weights become unit (weight + offset = 1). Idempotent: a second call multiplies by 1. Done in row blocks to bound
-    the fp32 scratch."""
+    the fp32 scratch. (A reload that brought back the norm weights but not the projections would fold those twice;
+    the runner's reloads bring back both: ModelRunner.reload_weights.)"""
     for layer in model.layers:
         for norm, proj in ((layer.input_layernorm, layer.self_attn.qkv_proj),
                            (layer.post_attention_layernorm, layer.mlp.gate_up_proj)):
