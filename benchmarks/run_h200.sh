@@ -2329,6 +2329,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s172a)  # (for session 72; carry .whl) why the norm-folded layers lose end to end on SmolLM2's shape at 64 x 128/128
+    # (session 71: window 67,482 -> 40,744 tok/s while its stack timing had them ahead): A (off) / B (forced past
+    # MIN_LAYER_WEIGHT_BYTES), each with a per-kernel profile of 20 decode steps (results: *.profile.json in $out)
+    card
+    small=${C64_8B/qwen3-8b-shape/smollm2-135m-shape}
+    side_bench smollm2-A "$FOLD_OFF" $small --profile --profile-steps 20 --name smollm2-135m-shape-fp16-c64-prof-foldA-$sha
+    side_bench smollm2-B "--set voltllm.model.norm_fold:MIN_LAYER_WEIGHT_BYTES=0" $small --profile --profile-steps 20 \
+      --name smollm2-135m-shape-fp16-c64-prof-foldB-$sha
+    for side in A B; do echo "== profile $side"; grep -E "^profile|^  " "$out/smollm2-$side.log" | head -25; done
+    ;;
   s171g)  # (session 71; carry .whl) the norm-folded layers on small models, A (off) / B in one call: SmolLM2's shape
     # and qwen3-0.6b-shape at 64 x 128/128 (launch-bound steps: the fold removes two launches per layer)
     card
