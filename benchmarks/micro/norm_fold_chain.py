@@ -111,23 +111,19 @@ def main(rows: int) -> None:
             batch_gemm(a, lay["d"], config=cfg["d"], out=d)
         res.add_(d)
 
-    def chain_b():
-        res.copy_(x0)
-        x16.copy_(x0)
-        for lay in layers:
-            q = batch_gemm(x16, lay["qkv"], config=cfg["qkv_n"], out=qkv_out, norm=lay["n1"])
-            batch_gemm(q[:, :H], lay["o"], config=cfg["o_r"], out=x16, residual=res)
-            a = batch_gemm(x16, lay["gu"], config=cfg["gu_n"], out=act, gated=True, norm=lay["n2"])
-            batch_gemm(a, lay["d"], config=cfg["d_r"], out=x16, residual=res)
+    def chain_in_loop(w: str, n: str, c: str):  # the sums of squares in the consumers' K loops: B ("", "", "_n"), C
+        def chain():
+            res.copy_(x0)
+            x16.copy_(x0)
+            for lay in layers:
+                q = batch_gemm(x16, lay["qkv" + w], config=cfg["qkv" + c], out=qkv_out, norm=lay["n1" + n])
+                batch_gemm(q[:, :H], lay["o"], config=cfg["o_r"], out=x16, residual=res)
+                a = batch_gemm(x16, lay["gu" + w], config=cfg["gu" + c], out=act, gated=True, norm=lay["n2" + n])
+                batch_gemm(a, lay["d"], config=cfg["d_r"], out=x16, residual=res)
+        return chain
 
-    def chain_c():  # B with the norm weights folded into the weights
-        res.copy_(x0)
-        x16.copy_(x0)
-        for lay in layers:
-            q = batch_gemm(x16, lay["qkv_w"], config=cfg["qkv_w"], out=qkv_out, norm=lay["n1w"])
-            batch_gemm(q[:, :H], lay["o"], config=cfg["o_r"], out=x16, residual=res)
-            a = batch_gemm(x16, lay["gu_w"], config=cfg["gu_w"], out=act, gated=True, norm=lay["n2w"])
-            batch_gemm(a, lay["d"], config=cfg["d_r"], out=x16, residual=res)
+    chain_b = chain_in_loop("", "", "_n")
+    chain_c = chain_in_loop("_w", "w", "_w")  # B with the norm weights folded into the weights
 
     def chain_d():  # C with the sums of squares from the producers' per-tile partials (layer 0's from its x)
         res.copy_(x0)

@@ -108,22 +108,35 @@ class NormFoldStep:
     """One forward's state: the tiles for its row count and the partial sums the last residual-add GEMM left."""
 
     def __init__(self, plan: NormFoldPlan, configs: dict[str, tuple]):
+        self.plan = plan
         self.configs = configs
-        self.norm = plan.norm
-        self.sumsq = plan.sumsq
-        self.x_scale = plan.x_scale
         self.parts: Optional[tuple[torch.Tensor, int]] = None
 
     def first_input(self, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The first layer's input: the residual stream (the embeddings) scaled and rounded as the epilogues do."""
-        return (residual * self.x_scale).to(dtype)
+        return (residual * self.plan.x_scale).to(dtype)
+
+    def layer(self, layer, x: torch.Tensor, residual: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer (llama.DecoderLayer) folded: x is the residual scaled and rounded, `attend` maps the qkv
+        projection's output to the attention output; adds the layer's output into `residual` in place and returns it
+        scaled and rounded (the next layer's x). Four launches for the projections, norms and adds."""
+        from voltllm.kernels.batch_gemm import batch_gemm
+
+        attn, mlp, cfg, norm = layer.self_attn, layer.mlp, self.configs, self.plan.norm
+        qkv = batch_gemm(x, attn.qkv_proj.weight, attn.qkv_proj.bias, config=cfg["qkv"], norm=norm,
+                         sumsq_in=self.parts)
+        x = self.add_to_residual(attn.o_proj, attend(qkv), residual, cfg["o"])
+        act = batch_gemm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, config=cfg["gate_up"], gated=True,
+                         norm=norm, sumsq_in=self.parts)
+        return self.add_to_residual(mlp.down_proj, act, residual, cfg["down"])
 
     def add_to_residual(self, proj, x: torch.Tensor, residual: torch.Tensor, config: tuple) -> torch.Tensor:
         """residual += proj(x) in place; returns the new residual scaled and rounded (the next folded GEMM's input),
         with this GEMM's per-tile sums of squares of it in `sumsq`."""
         from voltllm.kernels.batch_gemm import batch_gemm
 
-        out = batch_gemm(x, proj.weight, proj.bias, config=config, residual=residual, sumsq_out=self.sumsq,
-                         residual_out_scale=self.x_scale)
-        self.parts = (self.sumsq, -(-proj.weight.shape[0] // config[0]))
+        sumsq = self.plan.sumsq
+        out = batch_gemm(x, proj.weight, proj.bias, config=config, residual=residual, sumsq_out=sumsq,
+                         residual_out_scale=self.plan.x_scale)
+        self.parts = (sumsq, -(-proj.weight.shape[0] // config[0]))
         return out

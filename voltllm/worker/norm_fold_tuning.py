@@ -22,7 +22,6 @@ NORM_FOLD = True
 def _stacks(model, rows: int, configs: dict[str, tuple]):
     """(as it runs, folded): the layer stack at `rows` rows without attention, on the model's own weights (the
     folded one ignores the norm weights: its timing does not depend on their values)."""
-    from voltllm.kernels.batch_gemm import batch_gemm
     from voltllm.model.norm_fold import NormFoldPlan
 
     layers = model.layers
@@ -49,13 +48,7 @@ def _stacks(model, rows: int, configs: dict[str, tuple]):
         x = step.first_input(x0, model.dtype)
         step.parts = None
         for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            batch_gemm(x, a.qkv_proj.weight, a.qkv_proj.bias, config=configs["qkv"], norm=step.norm,
-                       sumsq_in=step.parts)
-            x = step.add_to_residual(a.o_proj, attn_out, res, configs["o"])
-            act = batch_gemm(x, m.gate_up_proj.weight, m.gate_up_proj.bias, config=configs["gate_up"], gated=True,
-                             norm=step.norm, sumsq_in=step.parts)
-            x = step.add_to_residual(m.down_proj, act, res, configs["down"])
+            x = step.layer(layer, x, res, lambda qkv: attn_out)  # (the engine's folded layer, attention left out)
 
     return unfused, folded
 

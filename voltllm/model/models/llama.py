@@ -186,18 +186,10 @@ class DecoderLayer(nn.Module):
         """A decode batch with the norms inside the decode-batch GEMMs (model/norm_fold.py): x is the residual
         scaled and rounded to the model's dtype (the embeddings at the first layer); returns (the new residual so
         rounded, the fp32 residual). Four launches for the projections, norms and adds (six unfused)."""
-        from voltllm.kernels.batch_gemm import batch_gemm
-
         if residual is None:
             residual = residual_stream(x)
             x = step.first_input(residual, x.dtype)
-        attn, mlp, cfg = self.self_attn, self.mlp, step.configs
-        qkv = batch_gemm(x, attn.qkv_proj.weight, attn.qkv_proj.bias, config=cfg["qkv"], norm=step.norm,
-                         sumsq_in=step.parts)
-        x = step.add_to_residual(attn.o_proj, attn.attend(positions, qkv, ctx), residual, cfg["o"])
-        act = batch_gemm(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, config=cfg["gate_up"], gated=True,
-                         norm=step.norm, sumsq_in=step.parts)
-        return step.add_to_residual(mlp.down_proj, act, residual, cfg["down"]), residual
+        return step.layer(self, x, residual, lambda qkv: self.self_attn.attend(positions, qkv, ctx)), residual
 
 
 # The fused one-row decode trades launches for L2 traffic: every GEMV program re-reads the fp32 residual and the
