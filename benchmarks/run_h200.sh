@@ -2334,10 +2334,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     # MIN_LAYER_WEIGHT_BYTES), each with a per-kernel profile of 20 decode steps (results: *.profile.json in $out)
     card
     small=${C64_8B/qwen3-8b-shape/smollm2-135m-shape}
-    side_bench smollm2-A "$FOLD_OFF" $small --profile --profile-steps 20 --name smollm2-135m-shape-fp16-c64-prof-foldA-$sha
+    side_bench smollm2-A "$FOLD_OFF" $small --profile --profile-steps 20 --profile-trace \
+      --name smollm2-135m-shape-fp16-c64-prof-foldA-$sha
     side_bench smollm2-B "--set voltllm.model.norm_fold:MIN_LAYER_WEIGHT_BYTES=0" $small --profile --profile-steps 20 \
-      --name smollm2-135m-shape-fp16-c64-prof-foldB-$sha
+      --profile-trace --name smollm2-135m-shape-fp16-c64-prof-foldB-$sha
     for side in A B; do echo "== profile $side"; grep -E "^profile|^  " "$out/smollm2-$side.log" | head -25; done
+    # (session 72) the 8B's c64 decode steps as they run now (folded), with a trace: where the GPU's idle time sits
+    side_bench c64-8b "" $C64_8B --profile --profile-steps 20 --profile-trace --name qwen3-8b-shape-fp16-c64-prof-$sha
+    grep -E "^profile|^  " "$out/c64-8b.log" | head -25
     ;;
   s171g)  # (session 71; carry .whl) the norm-folded layers on small models, A (off) / B in one call: SmolLM2's shape
     # and qwen3-0.6b-shape at 64 x 128/128 (launch-bound steps: the fold removes two launches per layer)
