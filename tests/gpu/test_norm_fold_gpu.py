@@ -110,8 +110,8 @@ def test_folded_layers_match_unfused_eager():
 
 def test_start_up_choice_and_graphs():
     """The engine makes no plan for a model this small (MIN_LAYER_WEIGHT_BYTES); with the plan forced at every graph
-    size from 16 rows and the graphs captured again, replays agree with the same engine's eager steps on the same
-    folded weights."""
+    size from 16 rows and the graphs captured again, replays (decode graphs, and prompt graphs for single short
+    prompts) agree with the same engine's eager steps on the same folded weights."""
     _need_tma()
     import voltllm.model.norm_fold as nf
 
@@ -126,9 +126,17 @@ def test_start_up_choice_and_graphs():
         runner.capture_cuda_graphs()
         replayed = _run(llm, PROMPTS)
         assert runner.graphs is not None and runner.graphs.replays > 0
-        graphs, runner.graphs = runner.graphs, None  # the same engine's eager steps
+        # one short prompt at a time: prompt steps of <= 32 tokens, replayed as folded piecewise prompt graphs (the
+        # 8B's plan covers 32-64 rows, so its short prompts take this path)
+        prompt_replays = runner.prompt_graphs.replays
+        singles = [_run(llm, [p])[0] for p in PROMPTS[:3]]
+        assert runner.prompt_graphs.replays >= prompt_replays + 3
+        graphs, prompt_graphs = runner.graphs, runner.prompt_graphs
+        runner.graphs = runner.prompt_graphs = None  # the same engine's eager steps
         try:
             eager = _run(llm, PROMPTS)
+            eager_singles = [_run(llm, [p])[0] for p in PROMPTS[:3]]
         finally:
-            runner.graphs = graphs
+            runner.graphs, runner.prompt_graphs = graphs, prompt_graphs
     _assert_agree(eager, replayed)
+    _assert_agree(eager_singles, singles)
