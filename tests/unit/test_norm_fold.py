@@ -69,8 +69,15 @@ def test_reload_then_refold_only_with_a_plan():
     assert all(torch.equal(p, folded[n]) for n, p in model.named_parameters())
 
 
-def test_ineligible_reasons_on_the_cpu():
+def test_ineligible_reasons_on_the_cpu(monkeypatch):
+    import voltllm.model.norm_fold as nf
+
     model, _ = _model()
-    assert "fp16" in ineligible(model)  # fp32 model: the epilogue needs an fp32 residual stream beside fp16 rows
+    assert "fp16" in ineligible(model)  # fp32 model: the epilogues round the residual for fp16 / bf16 GEMMs
+    model.dtype = torch.bfloat16
+    assert ineligible(model) == "torch.bfloat16 (fp16 models only)"  # (FOLD_BF16: off until run on a GPU)
+    monkeypatch.setattr(nf, "FOLD_BF16", True)
+    assert ineligible(model).startswith("weights not on a TMA GPU")
+    monkeypatch.setattr(nf, "FOLD_BF16", False)
     model.dtype = torch.float16
     assert ineligible(model).startswith("weights not on a TMA GPU")

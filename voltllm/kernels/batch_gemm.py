@@ -150,13 +150,14 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pi
 
 @triton.jit
 def _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y, r_pre, R_PRE: tl.constexpr):
-    """R += acc in place (fp32 residual rows; R_PRE: r_pre holds them already); returns the new residual tile."""
+    """R += acc in place (fp32 residual rows, or bf16 ones for a bf16 model, whose stream has fp32's range; R_PRE:
+    r_pre holds them already); returns the new residual tile (fp32, before R's rounding)."""
     r_ptr = R + offs_m[:, None] * stride_rm + offs_n[None, :]
     if R_PRE:
         total = r_pre + acc
     else:
         total = tl.load(r_ptr, mask=mask_y, other=0.0) + acc
-    tl.store(r_ptr, total, mask=mask_y)
+    tl.store(r_ptr, total.to(R.dtype.element_ty), mask=mask_y)
     return total
 
 
@@ -348,8 +349,9 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     silu(x gate^T) * (x up^T), computed in the epilogue in fp32 (bias: [2N]); gated tiles run without split-K.
     prefetch_k: with PDL on, weight elements per row prefetched before the wait (None: BATCH_PREFETCH_K).
     norm (TMA configs without split-K only): x is the un-normalised residual rows, rounded to x's dtype, and the
-    product is with RMSNorm(x) (FoldedNorm). residual (fp32 [M, N], TMA configs only): residual += the product in
-    place, and the result is the new residual times residual_out_scale rounded to x's dtype. sumsq_out (with
+    product is with RMSNorm(x) (FoldedNorm). residual ([M, N], fp32, or bf16 with bf16 x; TMA configs only):
+    residual += the product in place, and the result is the new residual times residual_out_scale rounded to x's
+    dtype. sumsq_out (with
     residual; fp32, at least n_tiles * row_block(M) elements): each output tile's per-row sums of squares of the
     result, for the next GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with norm: the norm's sums
     of squares are summed from those partials instead of computed from x (x must be the producer's result)."""
@@ -431,8 +433,8 @@ def _tma_fold_ok(x: torch.Tensor, w: torch.Tensor, k: int, config: tuple, norm: 
         return False
     if norm is not None and (config[4] != 1 or norm.weight.numel() != k or norm.weight.device != x.device):
         return False
-    if residual is not None and (residual.dtype != torch.float32 or residual.shape != (x.shape[0], w.shape[0])
-                                 or residual.stride(1) != 1):
+    if residual is not None and (not (residual.dtype == torch.float32 or residual.dtype == x.dtype == torch.bfloat16)
+                                 or residual.shape != (x.shape[0], w.shape[0]) or residual.stride(1) != 1):
         return False
     return True
 

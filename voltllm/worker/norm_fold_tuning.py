@@ -22,6 +22,7 @@ NORM_FOLD = True
 def _stacks(model, rows: int, configs: dict[str, tuple]):
     """(as it runs, folded): the layer stack at `rows` rows without attention, on the model's own weights (the
     folded one ignores the norm weights: its timing does not depend on their values)."""
+    from voltllm.model.models.llama import residual_stream
     from voltllm.model.norm_fold import NormFoldPlan
 
     layers = model.layers
@@ -30,7 +31,7 @@ def _stacks(model, rows: int, configs: dict[str, tuple]):
     gen = torch.Generator(device=dev).manual_seed(0)
     x0 = torch.randn(rows, hidden, device=dev, generator=gen)
     attn_out = torch.randn(rows, attn0.o_proj.in_features, device=dev, generator=gen).to(model.dtype)
-    res = torch.empty_like(x0)
+    res = residual_stream(x0.to(model.dtype))  # (fp32 for an fp16 model, as the engine's stream)
     step = NormFoldPlan(model, {rows: configs}).step(rows)
 
     def unfused():
