@@ -83,14 +83,17 @@ def _run(llm, prompts):
 
 
 def _assert_agree(ref, got, bound=0.05):
-    """Equal tokens with logprobs within `bound` up to each request's first difference, which must be a near-tie of
-    the reference (the other token within 2 * bound of its choice); nothing is compared after it."""
+    """Equal tokens with logprobs within `bound` up to each request's first difference, which must be a near-tie: one
+    side's top logprobs hold the other side's choice within 2 * bound of its own (bf16's coarse logits tie three ways
+    at times, so the other choice may be missing from one side's top two); nothing is compared after it."""
     flips = 0
     for (rt, rl), (gt, gl) in zip(ref, got):
         for i, (a, b) in enumerate(zip(rt, gt)):
             if a != b:
                 flips += 1
-                assert b in rl[i] and rl[i][a] - rl[i][b] < 2 * bound, (i, rl[i], gl[i])
+                near = ((b in rl[i] and rl[i][a] - rl[i][b] < 2 * bound)
+                        or (a in gl[i] and gl[i][b] - gl[i][a] < 2 * bound))
+                assert near, (i, rl[i], gl[i])
                 break
             assert abs(rl[i][a] - gl[i][b]) < bound, (i, rl[i][a], gl[i][b])
     assert flips <= len(ref) // 4, flips
