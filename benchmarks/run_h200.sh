@@ -2330,13 +2330,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_group files 560 3 loadfile "$@"
     ;;
   s172b)  # (session 72; carry .whl) the norm-fold GPU file (fp16 and bf16 now, single short prompts through folded
-    # prompt graphs), then the 8B's shape in bf16 at 64 x 128/128, A (FOLD_BF16 off, as shipped) / B (on) in one call
+    # prompt graphs), then the 8B's shape in bf16 at 64 x 128/128, A (FOLD_BF16 off) / B (on) in one call (run at
+    # 1952614a, when off was the default; now on is)
     card
     timeout 200 python3 -m pytest -q -m gpu tests/gpu/test_norm_fold_gpu.py -p no:cacheprovider -rfs \
       > "$out/tests-$sha.txt" 2>&1; echo "tests rc=$? $(tail -1 "$out/tests-$sha.txt")"
     grep -E "^(FAILED|ERROR)" "$out/tests-$sha.txt" | head
     bf16=${C64_8B/--dtype half/--dtype bfloat16}
-    side_bench c64-bf16-A "" $bf16 --name qwen3-8b-shape-bf16-c64-foldA-$sha
+    side_bench c64-bf16-A "--set voltllm.model.norm_fold:FOLD_BF16=False" $bf16 --name qwen3-8b-shape-bf16-c64-foldA-$sha
     side_bench c64-bf16-B "--set voltllm.model.norm_fold:FOLD_BF16=True" $bf16 --name qwen3-8b-shape-bf16-c64-foldB-$sha
     ;;
   s172a)  # (for session 72; carry .whl) why the norm-folded layers lose end to end on SmolLM2's shape at 64 x 128/128

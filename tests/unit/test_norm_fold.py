@@ -75,9 +75,8 @@ def test_ineligible_reasons_on_the_cpu(monkeypatch):
     model, _ = _model()
     assert "fp16" in ineligible(model)  # fp32 model: the epilogues round the residual for fp16 / bf16 GEMMs
     model.dtype = torch.bfloat16
-    assert ineligible(model) == "torch.bfloat16 (fp16 models only)"  # (FOLD_BF16: off until run on a GPU)
-    monkeypatch.setattr(nf, "FOLD_BF16", True)
     assert ineligible(model).startswith("weights not on a TMA GPU")
     monkeypatch.setattr(nf, "FOLD_BF16", False)
+    assert ineligible(model) == "torch.bfloat16 (fp16 models only)"
     model.dtype = torch.float16
     assert ineligible(model).startswith("weights not on a TMA GPU")
