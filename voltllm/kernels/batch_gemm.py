@@ -351,10 +351,10 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     norm (TMA configs without split-K only): x is the un-normalised residual rows, rounded to x's dtype, and the
     product is with RMSNorm(x) (FoldedNorm). residual ([M, N], fp32, or bf16 with bf16 x; TMA configs only):
     residual += the product in place, and the result is the new residual times residual_out_scale rounded to x's
-    dtype. sumsq_out (with
-    residual; fp32, at least n_tiles * row_block(M) elements): each output tile's per-row sums of squares of the
-    result, for the next GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with norm: the norm's sums
-    of squares are summed from those partials instead of computed from x (x must be the producer's result)."""
+    dtype. sumsq_out (with residual; fp32, at least n_tiles * row_block(M) elements): each output tile's per-row
+    sums of squares of the result, for the next GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with
+    norm: the norm's sums of squares are summed from those partials instead of computed from x (x must be the
+    producer's result)."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
