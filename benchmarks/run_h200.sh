@@ -2329,6 +2329,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s173a)  # (session 73; carry .whl) decode attention over a head-major KV page layout: the micro (both layouts, same
+    # kernel), then 8B c64 A (token-major, as now) / B (KV_HEAD_MAJOR) in one call
+    card
+    (cd benchmarks/micro && PYTHONPATH=$PWD/../..:$PWD timeout 240 python3 attn_decode_layout.py > "$out/attn-layout.txt" 2>&1)
+    echo "layout micro rc=$?"; sed -n '/^shape/,$p' "$out/attn-layout.txt"; grep WRONG "$out/attn-layout.txt" | head -3
+    side_bench c64-nhd "" $C64_8B --name qwen3-8b-shape-fp16-c64-nhd-$sha
+    side_bench c64-hnd "--set voltllm.attention.backend:KV_HEAD_MAJOR=True" $C64_8B --name qwen3-8b-shape-fp16-c64-hnd-$sha
+    ;;
   s172b)  # (session 72; carry .whl) the norm-fold GPU file (fp16 and bf16 now, single short prompts through folded
     # prompt graphs), then the 8B's shape in bf16 at 64 x 128/128, A (FOLD_BF16 off) / B (on) in one call (run at
     # 1952614a, when off was the default; now on is)
