@@ -2336,6 +2336,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     echo "layout micro rc=$?"; sed -n '/^shape/,$p' "$out/attn-layout.txt"; grep WRONG "$out/attn-layout.txt" | head -3
     side_bench c64-nhd "" $C64_8B --name qwen3-8b-shape-fp16-c64-nhd-$sha
     side_bench c64-hnd "--set voltllm.attention.backend:KV_HEAD_MAJOR=True" $C64_8B --name qwen3-8b-shape-fp16-c64-hnd-$sha
+    side_bench c64-hnd32 "--set voltllm.attention.backend:KV_HEAD_MAJOR=True" $C64_8B --block-size 32 \
+      --name qwen3-8b-shape-fp16-c64-hnd-bs32-$sha
     ;;
   s172b)  # (session 72; carry .whl) the norm-fold GPU file (fp16 and bf16 now, single short prompts through folded
     # prompt graphs), then the 8B's shape in bf16 at 64 x 128/128, A (FOLD_BF16 off) / B (on) in one call (run at

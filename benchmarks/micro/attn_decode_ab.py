@@ -13,7 +13,7 @@ import sys
 
 import torch
 from graph_timing import graph_us
-from paged_decode_case import PAGE, paged_decode_case
+from paged_decode_case import paged_decode_case
 new_mod = importlib.import_module("voltllm.kernels.attention.paged_decode")  # (the package exports the function)
 
 HQ, HKV, D = 32, 8, 128
@@ -35,9 +35,10 @@ def load_old(path):
 
 def reference(q, cache, bt, lens, scale):
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    page = cache.shape[2]
     for r, n in enumerate(lens.tolist()):
-        slots = (bt[r, (torch.arange(n, device=q.device) // PAGE)].long() * PAGE
-                 + torch.arange(n, device=q.device) % PAGE)
+        slots = (bt[r, (torch.arange(n, device=q.device) // page)].long() * page
+                 + torch.arange(n, device=q.device) % page)
         k = cache[0].view(-1, HKV, D)[slots].float().repeat_interleave(HQ // HKV, dim=1)  # [n, HQ, D]
         v = cache[1].view(-1, HKV, D)[slots].float().repeat_interleave(HQ // HKV, dim=1)
         p = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * scale, dim=-1)
