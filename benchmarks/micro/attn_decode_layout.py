@@ -9,12 +9,14 @@ qwen3-8b heads (32 q / 8 kv, d128), random contexts and permuted pages, four cac
 replays; every output is checked against an fp32 gather reference. Pages of 16 and 32 tokens. Prints per shape,
 layout and tile the time and KV read rate; "default" is the backend's own tile for the card's SM count.
 """
+import importlib
+
 import torch
 from attn_decode_ab import HKV, HQ, D, reference
 from graph_timing import graph_us
 from paged_decode_case import paged_decode_case
 
-from voltllm.kernels.attention import paged_decode as pd
+pd = importlib.import_module("voltllm.kernels.attention.paged_decode")  # (the package exports the function)
 
 
 def main():
