@@ -2329,6 +2329,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s173b)  # (session 73; carry .whl) 8B c64: A / B (the decode kernel's first KV tile issued before the PDL wait,
+    # EARLY_FIRST_TILE) / A in one call
+    card
+    early="--set voltllm.kernels.attention.paged_decode:EARLY_FIRST_TILE=True"
+    side_bench c64-A1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
+    side_bench c64-early "$early" $C64_8B --name qwen3-8b-shape-fp16-c64-early-$sha
+    side_bench c64-A2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
+    ;;
   s173a)  # (session 73; carry .whl) decode attention over a head-major KV page layout: the micro (both layouts, same
     # kernel), then 8B c64 A (token-major, as now) / B (KV_HEAD_MAJOR) in one call
     card
