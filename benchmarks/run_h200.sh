@@ -2329,6 +2329,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s173c)  # (session 73; carry .whl) 8B c64: A / B (decode GEMM pipelines capped at 110 KB of shared memory, so two
+    # programs share an SM and the next kernel is resident when one ends) / A in one call
+    card
+    side_bench c64-A1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
+    for kb in 100 114; do
+      side_bench c64-smem$kb "--set voltllm.kernels.batch_gemm:SMEM_BUDGET_BYTES=$((kb * 1024))" $C64_8B \
+        --name qwen3-8b-shape-fp16-c64-smem$kb-$sha
+    done
+    side_bench c64-A2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
+    for f in c64-A1 c64-smem100 c64-smem114 c64-A2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms) " "$out/$f.log"; done
+    ;;
   s173b)  # (session 73; carry .whl) 8B c64: A / B (the decode kernel's first KV tile issued before the PDL wait,
     # EARLY_FIRST_TILE) / A in one call
     card
