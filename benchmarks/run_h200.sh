@@ -2330,7 +2330,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_group files 560 3 loadfile "$@"
     ;;
   s173c)  # (session 73; carry .whl) 8B c64: A / B (decode GEMM pipelines capped at 110 KB of shared memory, so two
-    # programs share an SM and the next kernel is resident when one ends) / A in one call
+    # programs share an SM and the next kernel is resident when one ends) / A in one call (run at 12ca854f; the
+    # constant SMEM_BUDGET_BYTES was removed after it: slower)
     card
     side_bench c64-A1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
     for kb in 100 114; do
@@ -2349,7 +2350,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     side_bench c64-A2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
     ;;
   s173a)  # (session 73; carry .whl) decode attention over a head-major KV page layout: the micro (both layouts, same
-    # kernel), then 8B c64 A (token-major, as now) / B (KV_HEAD_MAJOR) in one call
+    # kernel), then 8B c64 A (token-major, as now) / B (KV_HEAD_MAJOR) in one call (run at b4869324; the constant
+    # was removed after it: no gain)
     card
     (cd benchmarks/micro && PYTHONPATH=$PWD/../..:$PWD timeout 240 python3 attn_decode_layout.py > "$out/attn-layout.txt" 2>&1)
     echo "layout micro rc=$?"; sed -n '/^shape/,$p' "$out/attn-layout.txt"; grep WRONG "$out/attn-layout.txt" | head -3

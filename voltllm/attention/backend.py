@@ -132,16 +132,7 @@ class AttentionBackend(ABC):
 
 
 
-# Store each page head-major ([2, blocks, kv heads, block_size, D] in memory) and hand out the (2, blocks, block_size,
-# kv heads, D) view of it: the kernels address the cache by its strides, so only the bytes' order changes (one kv
-# head's page becomes one contiguous run). Experimental (session 73), off.
-KV_HEAD_MAJOR = False
-
-
 def make_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    if KV_HEAD_MAJOR:
-        return [torch.zeros(2, num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype,
-                            device=device).transpose(2, 3) for _ in range(num_layers)]
     return [torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
             for _ in range(num_layers)]

@@ -461,16 +461,12 @@ def _fitting_stages(device: torch.device, stages: int, block_m: int, block_n: in
 
 
 _smem: dict[torch.device, int] = {}
-# Experimental (session 73; None: the device's limit): cap the shared memory a decode-batch GEMM's pipeline may take,
-# so that two programs (this GEMM's and, under PDL, the next kernel's) fit on one SM and the next one is resident,
-# waiting, when this one ends.
-SMEM_BUDGET_BYTES = None
 
 
 def _smem_limit(device: torch.device) -> int:
     if device not in _smem:
         _smem[device] = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-    return _smem[device] if SMEM_BUDGET_BYTES is None else min(_smem[device], SMEM_BUDGET_BYTES)
+    return _smem[device]
 
 
 def _tma_aligned(x: torch.Tensor, w: torch.Tensor, k: int) -> bool:
