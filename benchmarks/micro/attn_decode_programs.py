@@ -21,7 +21,8 @@ pd = importlib.import_module("voltllm.kernels.attention.paged_decode")  # (the p
 def main():
     scale = D ** -0.5
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"{'sequences x context':>22} {'splits':>6} {'programs':>8} {'KV MB':>6} {'us':>7} {'TB/s':>6} {'us/program-wave':>15}")
+    print(f"{'sequences x context':>22} {'splits':>6} {'programs':>8} {'KV MB':>6} {'us':>7} {'TB/s':>6} "
+          f"{'us/program-wave':>15}")
     for bs, mid, splits in ((32, 344, 1), (64, 172, 1), (128, 86, 1), (256, 43, 1), (64, 172, 2), (64, 172, 4)):
         torch.manual_seed(bs * mid + splits)
         lo, hi = mid - mid // 12, mid + mid // 12
