@@ -46,6 +46,20 @@ def reference(q, cache, bt, lens, scale):
     return out
 
 
+def checked_us(f, out, ref, label, replays=5):
+    """f(i) (a decode launch on rotated cache i into `out`) checked once against `ref` from a NaN-poisoned output,
+    then timed over CUDA-graph replays: (us per call, relative error), or None (printed) where it does not launch."""
+    out.fill_(float("nan"))
+    try:
+        f(0)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
+        print(f"  {label}: {type(e).__name__} {str(e)[:100]}", flush=True)
+        return None
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    return graph_us(lambda i: f(i % 4), reps=20, replays=replays), err
+
+
 def main(old_path, defaults_only=False):
     torch.manual_seed(0)
     old_mod = load_old(old_path)
@@ -69,15 +83,10 @@ def main(old_path, defaults_only=False):
                 def f(i, mod=mod, kw=kw):
                     return mod.paged_decode(q, caches[i], bt, sl, qsl, scale, out, num_splits=splits, part_o=po,
                                             part_lse=pl, **kw)
-                out.fill_(float("nan"))
-                try:
-                    f(0)
-                    torch.cuda.synchronize()
-                except Exception as e:
-                    print(f"  {name} {bn, nw, ns}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                timed = checked_us(f, out, ref, f"{name} {bn, nw, ns}", replays=3)
+                if timed is None:
                     continue
-                err = ((out.float() - ref).norm() / ref.norm()).item()
-                t = graph_us(lambda i: f(i % 4), reps=20, replays=3)
+                t, err = timed
                 rows.append((t, name, "default" if bn is None else (bn, nw, ns), err))
         print(f"bs={bs} ctx {lo}-{hi}, {splits} split(s), KV {kv_bytes / 1e6:.1f} MB", flush=True)
         for t, name, tile, err in sorted(rows, key=lambda r: r[0])[:6] + [r for r in rows if r[2] == "default"]:

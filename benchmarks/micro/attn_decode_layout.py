@@ -12,8 +12,7 @@ layout and tile the time and KV read rate; "default" is the backend's own tile f
 import importlib
 
 import torch
-from attn_decode_ab import HKV, HQ, D, reference
-from graph_timing import graph_us
+from attn_decode_ab import HKV, HQ, D, checked_us, reference
 from paged_decode_case import paged_decode_case
 
 pd = importlib.import_module("voltllm.kernels.attention.paged_decode")  # (the package exports the function)
@@ -45,15 +44,10 @@ def main():
                     def f(i, cs=cs, kw=kw):
                         return pd.paged_decode(q, cs[i], bt, sl, qsl, scale, out, num_splits=splits, part_o=po,
                                                part_lse=pl, **kw)
-                    out.fill_(float("nan"))
-                    try:
-                        f(0)
-                        torch.cuda.synchronize()
-                    except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
-                        print(f"  {name} {bn, nw, ns}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                    timed = checked_us(f, out, ref, f"{name} {bn, nw, ns}")
+                    if timed is None:
                         continue
-                    err = ((out.float() - ref).norm() / ref.norm()).item()
-                    t = graph_us(lambda i: f(i % 4), reps=20, replays=5)
+                    t, err = timed
                     tile = "default" if bn is None else (bn, nw, ns)
                     print(f"  {name} {tile}: {t:.1f} us {kv_bytes / t / 1e6:.2f} TB/s rel. error {err:.1e}"
                           + ("" if err < 2e-3 else " WRONG"), flush=True)

@@ -11,8 +11,7 @@ start (its first loads) and end cost what a persistent kernel would save.
 import importlib
 
 import torch
-from attn_decode_ab import HKV, HQ, D, reference
-from graph_timing import graph_us
+from attn_decode_ab import HKV, HQ, D, checked_us, reference
 from paged_decode_case import paged_decode_case
 
 pd = importlib.import_module("voltllm.kernels.attention.paged_decode")  # (the package exports the function)
@@ -36,11 +35,10 @@ def main():
         def f(i):
             return pd.paged_decode(q, caches[i], bt, sl, qsl, scale, out, num_splits=splits, part_o=po, part_lse=pl,
                                    num_sms=sms)
-        out.fill_(float("nan"))
-        f(0)
-        torch.cuda.synchronize()
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        t = graph_us(lambda i: f(i % 4), reps=20, replays=5)
+        timed = checked_us(f, out, ref, f"{bs} x {lo}-{hi}")
+        if timed is None:
+            continue
+        t, err = timed
         programs = bs * HKV * splits
         print(f"{bs:>12} x {lo}-{hi:<5} {splits:>6} {programs:>8} {kv_bytes / 1e6:6.1f} {t:7.1f} "
               f"{kv_bytes / t / 1e6:6.2f} {t / max(1.0, programs / sms):15.2f}" + ("" if err < 2e-3 else " WRONG"),
