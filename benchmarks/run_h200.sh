@@ -2384,6 +2384,8 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     # (session 72) the 8B's c64 decode steps as they run now (folded), with a trace: where the GPU's idle time sits
     side_bench c64-8b "" $C64_8B --profile --profile-steps 20 --profile-trace --name qwen3-8b-shape-fp16-c64-prof-$sha
     grep -E "^profile|^  " "$out/c64-8b.log" | head -25
+    # (session 73: a run returns at most 8 files, and this stage writes 13) one archive of them all
+    (cd "$out" && tar czf "s172a-$sha.tgz" --remove-files -- *)
     ;;
   s171g)  # (session 71; carry .whl) the norm-folded layers on small models, A (off) / B in one call: SmolLM2's shape
     # and qwen3-0.6b-shape at 64 x 128/128 (launch-bound steps: the fold removes two launches per layer)
