@@ -2332,14 +2332,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s174a)  # (session 74; carry .whl; on branch attn-persist-s73, else the persist side is production again) 8B c64:
     # A / QK-norm + RoPE + KV store inside the decode kernel (FUSED_DECODE_ROPE, off since session 10; the qkv GEMM
     # is now a Triton PDL kernel, so the fused kernel's first-tile loads overlap it) / persistent decode attention
-    # (PERSISTENT_DECODE_PER_SM=4) / A in one call
+    # (PERSISTENT_DECODE_PER_SM=2: 264 programs on 132 SMs, ~2 of the 512 items each; at 4 every program would take at
+    # most one) / A in one call
     card
     fused="--set voltllm.attention.triton_backend:FUSED_DECODE_ROPE=True"
     fused="$fused --set voltllm.attention.triton_backend:FUSED_DECODE_ROPE_MAX_PROGRAMS=1000000"
     side_bench c64-A1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
     side_bench c64-fused "$fused" $C64_8B --name qwen3-8b-shape-fp16-c64-fusedrope-$sha
-    side_bench c64-persist "--set voltllm.attention.triton_backend:PERSISTENT_DECODE_PER_SM=4" $C64_8B \
-      --name qwen3-8b-shape-fp16-c64-persist-$sha
+    side_bench c64-persist "--set voltllm.attention.triton_backend:PERSISTENT_DECODE_PER_SM=2" $C64_8B \
+      --name qwen3-8b-shape-fp16-c64-persist2-$sha
     side_bench c64-A2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
     for f in c64-A1 c64-fused c64-persist c64-A2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms) " "$out/$f.log"; done
     ;;
