@@ -2341,7 +2341,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     side_bench c64-fused "$fused" $C64_8B --name qwen3-8b-shape-fp16-c64-fusedrope-$sha
     side_bench c64-persist "--set voltllm.attention.triton_backend:PERSISTENT_DECODE_PER_SM=2" $C64_8B \
       --name qwen3-8b-shape-fp16-c64-persist2-$sha
-    (( SECONDS < 420 )) && side_bench c64-A2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
+    (( SECONDS < 380 )) && side_bench c64-A2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
     for f in c64-A1 c64-fused c64-persist c64-A2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms) " "$out/$f.log"; done
     ;;
   s173c)  # (session 73; carry .whl) 8B c64: A / B (decode GEMM pipelines capped at 110 KB of shared memory, so two
