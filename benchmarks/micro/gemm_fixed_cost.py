@@ -2,7 +2,10 @@
 at 64 rows (each its own weight: the L2 stays cold), N from 1024 to 32768, replayed from a CUDA graph with PDL off
 and on; per N the fastest decode-batch tile (batch_gemm candidates) and cuBLAS.
 
-    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [--prefetch | --stream] [ROWS]
+    PYTHONPATH=$PWD python3 benchmarks/micro/gemm_fixed_cost.py [--prefetch | --stream] [--n N1,N2,...] [ROWS]
+
+--n replaces the N values (e.g. `--n 4096,4224,6144,6336,12288,12672`: whole waves of 64- or 32-feature tiles on 132
+SMs beside the 8B's shapes; session 74: time stays proportional to the bytes, no partial-wave cost).
 
 A least-squares line t = a + bytes / b over the N values gives a, the fixed cost of one launch in a chain, and b, the
 rate its bytes stream at. The 8B decode step at 64 rows runs 4 such GEMMs per layer (144 per step): a x 144 is what a
@@ -129,7 +132,12 @@ if __name__ == "__main__":
     # --prefetch: also the fastest Triton tile with 0 / 512 / 1024 / 4096 weight elements per row prefetched into L2
     # before the PDL wait
     # --stream: the same byte sizes read by a plain streaming kernel (no GEMM), for the fixed cost of any launch
-    args = [a for a in sys.argv[1:] if a not in ("--prefetch", "--stream")]
+    args = sys.argv[1:]
+    if "--n" in args:
+        i = args.index("--n")
+        NS = tuple(int(v) for v in args[i + 1].split(","))
+        del args[i:i + 2]
+    args = [a for a in args if a not in ("--prefetch", "--stream")]
     if "--stream" in sys.argv:
         main_stream()
         sys.exit(0)

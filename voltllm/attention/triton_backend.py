@@ -47,8 +47,9 @@ _SUPPORTED_CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.u
 # decode kernel then waits for q and the new K before its first tile's dot, where the RoPE launch overlaps its
 # predecessor's tail under PDL. Measured again in session 41, after the kernel's K / V loads were pipelined and with
 # its first tile loaded before the PDL wait (benchmarks/results/session41/fused-rope-bc08d6a/): 64 x 128/128 9,140 /
-# 9,039 fused vs 9,143 / 9,092 separate, batch 1 8B 226.3 vs 225.6, SmolLM2's shape 1,551 vs 1,755: still off. When
-# on, only below FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads.
+# 9,039 fused vs 9,143 / 9,092 separate, batch 1 8B 226.3 vs 225.6, SmolLM2's shape 1,551 vs 1,755: still off.
+# Session 74, with the 64-row qkv projection a Triton PDL kernel (H100, results/session74/s174a-13a9b14a/): TPOT 6.573
+# fused vs 6.558 / 6.567 separate, no gain. When on, only below FUSED_DECODE_ROPE_MAX_PROGRAMS sequences x kv heads.
 FUSED_DECODE_ROPE = False
 FUSED_DECODE_ROPE_MAX_PROGRAMS = 128
 # fp8 caches on CUDA: the RoPE launch may encode K / V into the cache (CacheWrite.fmt) instead of a separate write
