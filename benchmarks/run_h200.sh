@@ -2333,7 +2333,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     # A / QK-norm + RoPE + KV store inside the decode kernel (FUSED_DECODE_ROPE, off since session 10; the qkv GEMM
     # is now a Triton PDL kernel, so the fused kernel's first-tile loads overlap it) / persistent decode attention
     # (PERSISTENT_DECODE_PER_SM=2: 264 programs on 132 SMs, ~2 of the 512 items each; at 4 every program would take at
-    # most one) / A in one call
+    # most one) / A in one call (run at 13a9b14a on an H100: TPOT 6.558 / 6.573 / 6.771 / 6.567 ms, neither faster)
     card
     fused="--set voltllm.attention.triton_backend:FUSED_DECODE_ROPE=True"
     fused="$fused --set voltllm.attention.triton_backend:FUSED_DECODE_ROPE_MAX_PROGRAMS=1000000"
