@@ -278,6 +278,7 @@ def instrument(runner: Any) -> RouteCounters:
     _wrap_method(runner.backend, "forward", attn)
     _wrap_method(runner.sampler, "sample", counted("sampler"))
     _wrap_method(runner.sampler, "sample_argmax", counted("sampler"))
+    _wrap_method(runner.sampler, "argmax_output", counted("sampler"))
     from voltllm.model.layers.linear import Linear
 
     for mod in runner.model.modules():

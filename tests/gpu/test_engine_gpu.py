@@ -71,7 +71,7 @@ def test_enforce_eager_keeps_cublas(tiny, monkeypatch):
     timed = []
     real = skinny_tuning.tune_batch_gemm
     monkeypatch.setattr(skinny_tuning, "tune_batch_gemm",
-                        lambda model, rows: timed.append(list(rows)) or real(model, rows))
+                        lambda model, rows, **kw: timed.append(list(rows)) or real(model, rows, **kw))
 
     def chosen(llm):
         model = llm.engine.runner.model

@@ -134,4 +134,37 @@ for x, what in ((torch.zeros(16, 8), "fp32"), (torch.zeros(1, 16, dtype=torch.fl
     except ValueError:
         pass
 assert tma_runs == 15, tma_runs  # 3 aligned shapes x 2 variants x 2 TMA configs, 3 aligned gated shapes
+# the argmax epilogue (a greedy LM head): each row's argmax of the output the same tile would store, poisoned target;
+# masked rows (5, 17), an N that leaves the last tile short, K under the TMA tile, pointer and TMA tiles. Then ties
+# (the same weight row in two tiles: the first column wins), a NaN column (it outranks every number) and rows whose
+# largest value sits in the short last tile.
+for m, n, k in ((5, 200, 128), (17, 131, 96), (64, 257, 160)):
+    x = torch.randn(m, k, dtype=torch.float16)
+    w = torch.randn(n, k, dtype=torch.float16) / k ** 0.5
+    w[n // 2 + 7] = w[3]  # a tie across tiles
+    w[n - 1] *= 3.0  # often the maximum, in the last (partial) tile
+    for cfg in ((32, 64, 4, 2, 1), (64, 32, 4, 1, 1), (32, 64, 4, 2, 1, True), (16, 128, 4, 1, 1, True)):
+        got = torch.full((m,), -7, dtype=torch.long)
+        assert batch_gemm(x, w, config=cfg, argmax_out=got) is got
+        want = batch_gemm(x, w, config=cfg).argmax(dim=-1)
+        assert torch.equal(got, want), ("batch_gemm argmax", m, n, k, cfg, got.tolist(), want.tolist())
+    wn = w.clone()
+    wn[n // 3] = float("nan")
+    wn[n - 2] = float("nan")
+    got = batch_gemm(x, wn, config=(32, 64, 4, 2, 1), argmax_out=torch.empty(m, dtype=torch.long))
+    assert torch.equal(got, torch.full((m,), n // 3)), ("batch_gemm argmax NaN", got.tolist())
+    wt = w.clone()
+    wt[:] = 0
+    wt[40] = wt[n - 1] = w[0]  # a tie of the maximum between tile 0 / 1 and the last tile
+    got = batch_gemm(x, wt, config=(32, 32, 4, 1, 1), argmax_out=torch.empty(m, dtype=torch.long))
+    assert torch.equal(got, batch_gemm(x, wt, config=(32, 32, 4, 1, 1)).argmax(dim=-1)), ("argmax ties", got.tolist())
+for bad in (dict(config=(32, 64, 4, 1, 2)), dict(gated=True), dict(out=torch.empty(16, 8, dtype=torch.float16)),
+            dict(argmax_out=torch.empty(16, dtype=torch.int32)), dict(argmax_out=torch.empty(15, dtype=torch.long))):
+    try:  # the argmax epilogue: plain tiles without split-K, an int64 [M] target, no output tensor
+        batch_gemm(torch.zeros(16, 16, dtype=torch.float16), torch.zeros(16 if bad.get("gated") else 8, 16,
+                                                                          dtype=torch.float16),
+                   **{"argmax_out": torch.empty(16, dtype=torch.long), **bad})
+        raise AssertionError(f"argmax accepted {bad}")
+    except ValueError:
+        pass
 print("ok batch_gemm")

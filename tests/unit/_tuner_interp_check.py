@@ -74,4 +74,49 @@ for r in rows + [33, 17]:  # 33 / 17: no choice, cuBLAS path
     ref = (torch.nn.functional.silu(g[:, :96].float()) * g[:, 96:].float()) @ down.weight.float().t()
     assert ((down_proj_silu_mul(down, g).float() - ref).norm() / ref.norm()).item() < 1e-2, r
 assert len(launches) - n_before == 2 * 3, launches  # 2 and 64 rows: the MLP's two GEMMs + down_proj_silu_mul
+
+
+# the LM head's argmax epilogue (head_argmax: the target model): timed against the head as chosen + the argmax kernel;
+# faked as faster here, so it is chosen at every timed row count, and greedy_tokens then gives the logits' argmax
+class _Head(torch.nn.Module):
+    tp = None
+    logits_batch = logits_argmax = None
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Parameter(torch.randn(300, 64, dtype=torch.float16) * 0.2, requires_grad=False)
+
+    @property
+    def logits_weight(self):
+        return self.head
+
+    def greedy_tokens(self, hidden):  # (LlamaForCausalLM's, without its CUDA-only guard)
+        return B.batch_gemm(hidden, self.head, config=self.logits_argmax[hidden.shape[0]],
+                            argmax_out=torch.empty(hidden.shape[0], dtype=torch.long))
+
+
+def fake_replay_argmax_ms(fn, weights):
+    before = len(launches)
+    fn(weights[0])
+    new = launches[before:]
+    return 0.25 if "argmax" in new else 0.5 if new else 1.0
+
+
+def counted_gemm_argmax(*args, **kwargs):
+    if kwargs.get("argmax_out") is not None:
+        launches.append("argmax")
+    return counted_gemm(*args, **kwargs)
+
+
+head = _Head()
+T._groups_with_logits = lambda m: {(300, 64, False): [m]} if m is head else {}
+T.graph_replay_ms, B.batch_gemm = fake_replay_argmax_ms, counted_gemm_argmax
+T.tune_batch_gemm(head, [16, 64])
+assert head.logits_argmax is None or head.logits_argmax == {}, "timed without head_argmax"
+T.tune_batch_gemm(head, [16, 64], head_argmax=True)
+assert set(head.logits_argmax) == {16, 64} and set(head.logits_batch) == {16, 64}, head.logits_argmax
+for r in (16, 64):
+    h = torch.randn(r, 64, dtype=torch.float16)
+    want = B.batch_gemm(h, head.head, config=head.logits_argmax[r]).argmax(dim=-1)
+    assert torch.equal(head.greedy_tokens(h), want), r
 print("ok tuner")

@@ -7,6 +7,9 @@ CHUNK entries of row r and writes its maximum and that maximum's first index; th
 finish (a per-row arrival count, acq_rel) reads the row's partials in chunk order, keeps the first chunk holding the
 row's maximum, stores its index and resets the count to 0 (CUDA-graph replays and eager calls share the counts).
 Ties go to the lowest index and a NaN wins over every number (its first index), which is what torch.argmax returns.
+`argmax_of_partials` is the same combine for partials another kernel wrote: the decode-batch GEMM's argmax epilogue
+(kernels/batch_gemm.py, a greedy LM head that writes no logits) leaves each row's maximum and first index per output
+tile, and one program per row combines them in tile order.
 Reference: torch.argmax(dim=-1).
 """
 from __future__ import annotations
@@ -15,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from voltllm.kernels import pdl
+from voltllm.kernels.pdl import pdl_enter
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
 _NONE = tl.constexpr(2147483647)  # "no index" (larger than any vocabulary position)
@@ -42,16 +47,30 @@ def _row_argmax_kernel(X, OUT, PART_V, PART_I, COUNTS, V, stride_x, n_chunks, CH
     tl.debug_barrier()  # the partial is written before the count is released
     arrived = tl.atomic_add(COUNTS + row, 1, sem="acq_rel")
     if arrived == n_chunks - 1:  # the row's last chunk: combine in chunk order
-        offs = tl.arange(0, MAX_CHUNKS)
-        mc = offs < n_chunks
-        pv = tl.load(PART_V + row * n_chunks + offs, mask=mc, other=float("-inf"), cache_modifier=".cg")
-        pi = tl.load(PART_I + row * n_chunks + offs, mask=mc, other=_NONE, cache_modifier=".cg")
-        nan_first = tl.min(tl.where(pi < 0, -1 - pi, _NONE), axis=0)
-        best = tl.max(pv, axis=0)
-        best_chunk = tl.min(tl.where((pv == best) & mc, offs, MAX_CHUNKS), axis=0)
-        best_idx = tl.sum(tl.where(offs == best_chunk, pi, 0), axis=0)
-        tl.store(OUT + row, tl.where(nan_first < _NONE, nan_first, best_idx).to(tl.int64))
+        tl.store(OUT + row, _combine(PART_V + row * n_chunks, PART_I + row * n_chunks, n_chunks, MAX_CHUNKS))
         tl.atomic_xchg(COUNTS + row, 0)
+
+
+@triton.jit
+def _combine(PV, PI, n_parts, MAX_PARTS: tl.constexpr):
+    """A row's argmax (int64) from its parts' maxima PV and their first indices PI (-1 - index: the part's first
+    NaN), in part order: the first NaN if any part holds one, else the first part holding the row's maximum."""
+    offs = tl.arange(0, MAX_PARTS)
+    mc = offs < n_parts
+    pv = tl.load(PV + offs, mask=mc, other=float("-inf"), cache_modifier=".cg")
+    pi = tl.load(PI + offs, mask=mc, other=_NONE, cache_modifier=".cg")
+    nan_first = tl.min(tl.where(pi < 0, -1 - pi, _NONE), axis=0)
+    best = tl.max(pv, axis=0)
+    best_part = tl.min(tl.where((pv == best) & mc, offs, MAX_PARTS), axis=0)
+    best_idx = tl.sum(tl.where(offs == best_part, pi, 0), axis=0)
+    return tl.where(nan_first < _NONE, nan_first, best_idx).to(tl.int64)
+
+
+@triton.jit
+def _argmax_of_partials_kernel(PV, PI, OUT, n_parts, MAX_PARTS: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0)
+    pdl_enter(PDL)
+    tl.store(OUT + row, _combine(PV + row * n_parts, PI + row * n_parts, n_parts, MAX_PARTS))
 
 
 CHUNK = 8192
@@ -71,6 +90,10 @@ def _specs() -> list[CompileSpec]:
 
 
 register_kernel("sampling.row_argmax", _row_argmax_kernel, _specs())
+register_kernel("sampling.argmax_of_partials", _argmax_of_partials_kernel,
+                [CompileSpec({"PV": "*fp32", "PI": "*i32", "OUT": "*i64", "n_parts": "i32", "MAX_PARTS": "constexpr",
+                              "PDL": "constexpr"}, {"MAX_PARTS": 4096, "PDL": False}, "4096 parts")],
+                compat=False)  # (the decode-batch GEMM's argmax epilogue: native route only)
 
 _counts: dict[torch.device, torch.Tensor] = {}
 
@@ -105,4 +128,14 @@ def row_argmax(x: torch.Tensor) -> torch.Tensor:
     _row_argmax_kernel[(rows, n_chunks)](x, out, part_v, part_i, _row_counts(x.device), v, x.stride(0), n_chunks,
                                          CHUNK=chunk, MAX_CHUNKS=max(2, triton.next_power_of_2(n_chunks)),
                                          num_warps=8 if chunk >= 4096 else 4)
+    return out
+
+
+def argmax_of_partials(pv: torch.Tensor, pi: torch.Tensor, rows: int, n_parts: int, out: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax from per-part partials laid out [rows, n_parts] (PV: the part's maximum, PI: its first index,
+    or -1 - its first NaN's index), as the decode-batch GEMM's argmax epilogue writes them; into `out` (int64
+    [rows])."""
+    if rows:
+        _argmax_of_partials_kernel[(rows,)](pv, pi, out, n_parts, MAX_PARTS=max(2, triton.next_power_of_2(n_parts)),
+                                            num_warps=8 if n_parts >= 2048 else 4, **pdl.launch_options())
     return out

@@ -50,10 +50,10 @@ MIN_ROWS, MAX_ROWS = 2, 64
 # row block (row_block) runs one compiled kernel: a batch whose M % 16 != 0 (the 2 / 4 / 8-row graph sizes, an eager
 # step given a config) compiles no variant of its own inside a step (the rule of docs/kernels.md, session 43)
 @triton.jit(do_not_specialize=["M"])
-def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
+def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, PV, PI, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
-                       PREFETCH_K: tl.constexpr, GATED: tl.constexpr):
+                       PREFETCH_K: tl.constexpr, GATED: tl.constexpr, ARGMAX: tl.constexpr = False):
     pid = tl.program_id(0)
     k_start = tl.program_id(1) * k_per_split  # a multiple of BLOCK_K
     k_end = tl.minimum(k_start + k_per_split, K)
@@ -90,8 +90,8 @@ def _batch_gemm_kernel(X, W, B, Y, WS, COUNTERS, M, N, K, k_per_split, stride_xm
         w_ptr += BLOCK_K
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, mask_n, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, acc, WS, 1.0, pid, offs_m, offs_n, mask_m, mask_n, N, stride_ym,
-                 BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False, False, False)
+    _finish_tile(acc, B, Y, WS, COUNTERS, Y, 0, acc, WS, 1.0, PV, PI, pid, offs_m, offs_n, mask_m, mask_n, N,
+                 stride_ym, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, False, False, False, ARGMAX)
 
 
 @triton.jit
@@ -110,15 +110,17 @@ def _silu_times(g, u):
 
 
 @triton.jit
-def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pid, offs_m, offs_n, mask_m, mask_n, N,
-                 stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, RES_ADD: tl.constexpr, R_PRE: tl.constexpr, SS_OUT: tl.constexpr):
+def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, PV, PI, pid, offs_m, offs_n, mask_m,
+                 mask_n, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, RES_ADD: tl.constexpr, R_PRE: tl.constexpr, SS_OUT: tl.constexpr,
+                 ARGMAX: tl.constexpr):
     """Store the program's [BLOCK_M, BLOCK_N] fp32 tile (+ bias); with split-K, write it as this slice's partial
     and let the last slice of the tile to arrive sum all partials in slice order and store that. RES_ADD: add the
     tile to the fp32 residual R in place (R_PRE: its rows loaded before the K loop, r_pre) and store the sum times
     out_scale, rounded, as Y (the next norm-folded GEMM's input; the scale keeps large residual values inside fp16);
     SS_OUT: also store each row's sum of squares of that rounded tile at SS[pid * BLOCK_M + row] (the next GEMM's
-    RMSNorm sums the tiles' partials)."""
+    RMSNorm sums the tiles' partials). ARGMAX (SPLIT_K 1, no residual): store nothing of the tile but each row's
+    argmax partial (_store_tile_argmax); Y then only names the output dtype."""
     y_ptr = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask_y = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
@@ -128,7 +130,10 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pi
             acc = _residual_add(acc, R, stride_rm, offs_m, offs_n, mask_y, r_pre, R_PRE) * out_scale
             if SS_OUT:
                 _store_sumsq(acc, Y, SS, pid, offs_m, BLOCK_M)
-        tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
+        if ARGMAX:
+            _store_tile_argmax(acc.to(Y.dtype.element_ty).to(tl.float32), PV, PI, pid, offs_m, offs_n, mask_m, mask_n)
+        else:
+            tl.store(y_ptr, acc.to(Y.dtype.element_ty), mask=mask_y)
     else:
         ws_tile = WS + offs_m[:, None] * N + offs_n[None, :]  # slice s at WS + s * BLOCK_M * N
         tl.store(ws_tile + tl.program_id(1) * BLOCK_M * N, acc, mask=mask_y)
@@ -146,6 +151,23 @@ def _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pi
                     _store_sumsq(total, Y, SS, pid, offs_m, BLOCK_M)
             tl.store(y_ptr, total.to(Y.dtype.element_ty), mask=mask_y)
             tl.atomic_xchg(COUNTERS + pid, 0)
+
+
+@triton.jit
+def _store_tile_argmax(v, PV, PI, pid, offs_m, offs_n, mask_m, mask_n):
+    """Each row's largest value in this tile (v: the tile as the output would hold it, rounded, in fp32) and its first
+    column, at PV / PI[row * tiles + pid]; a row holding a NaN reports its first NaN's column c as -1 - c (a NaN
+    outranks every number, as in torch.argmax). kernels/argmax.argmax_of_partials combines them in tile order."""
+    none = 2147483647  # "no column" (above any)
+    v = tl.where(mask_n[None, :], v, float("-inf"))
+    nan = v != v
+    first_nan = tl.min(tl.where(nan, offs_n[None, :], none), axis=1)
+    v = tl.where(nan, float("-inf"), v)
+    best = tl.max(v, axis=1)
+    best_col = tl.min(tl.where((v == best[:, None]) & mask_n[None, :], offs_n[None, :], none), axis=1)
+    slot = offs_m * tl.num_programs(0) + pid
+    tl.store(PV + slot, best, mask=mask_m)
+    tl.store(PI + slot, tl.where(first_nan < none, -1 - first_nan, best_col), mask=mask_m)
 
 
 @triton.jit
@@ -169,13 +191,13 @@ def _store_sumsq(total, Y, SS, pid, offs_m, BLOCK_M: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])  # (as _batch_gemm_kernel)
-def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, SS, M, N, K, k_per_split, stride_wn, stride_ym,
-                           stride_rm, eps, g_scale, n_parts, out_scale,
+def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, SS, PV, PI, M, N, K, k_per_split, stride_wn,
+                           stride_ym, stride_rm, eps, g_scale, n_parts, out_scale,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
                            PREFETCH_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr = False,
                            RES_ADD: tl.constexpr = False, NORM_X: tl.constexpr = True, SS_OUT: tl.constexpr = False,
-                           SS_PARTS: tl.constexpr = 0):
+                           SS_PARTS: tl.constexpr = 0, ARGMAX: tl.constexpr = False):
     """The same product with the x and weight tiles moved by TMA (tensor descriptors, sm_90+): the copy engine
     fills the pipeline stages without address math or masks in registers (out-of-range rows and K columns read
     as zero). XD / UD: descriptors of x, or of its gate / up halves with SILU_MUL; WD: the weight's (W: the same
@@ -230,24 +252,26 @@ def _batch_gemm_tma_kernel(XD, UD, WD, W, B, Y, WS, COUNTERS, G, R, SS, M, N, K,
             acc_u = acc_u * row_scale
     if GATED:
         acc = _gate(acc, acc_u, B, offs_n, offs_n < N, N, HAS_BIAS)
-    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, pid, offs_m, offs_n, offs_m < M,
-                 offs_n < N, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD,
-                 RES_ADD and SPLIT_K == 1, SS_OUT)
+    _finish_tile(acc, B, Y, WS, COUNTERS, R, stride_rm, r_pre, SS, out_scale, PV, PI, pid, offs_m, offs_n,
+                 offs_m < M, offs_n < N, N, stride_ym, BLOCK_M, BLOCK_N, SPLIT_K, HAS_BIAS and not GATED, RES_ADD,
+                 RES_ADD and SPLIT_K == 1, SS_OUT, ARGMAX)
 
 
 def _specs() -> list[CompileSpec]:
-    sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "M": "i32",
-           "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+    sig = {"X": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "PV": "*fp32",
+           "PI": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32",
+           "stride_wn": "i32", "stride_ym": "i32",
            "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr",
            "HAS_BIAS": "constexpr", "EVEN_K": "constexpr", "SILU_MUL": "constexpr", "PDL": "constexpr",
-           "PREFETCH_K": "constexpr", "GATED": "constexpr"}
+           "PREFETCH_K": "constexpr", "GATED": "constexpr", "ARGMAX": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": sk, "HAS_BIAS": b, "EVEN_K": e,
-                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt},
-                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s} gated={gt}")
-            for m, n, k, sk, b, e, s, gt in ((64, 32, 128, 1, False, True, False, False),
-                                             (32, 64, 64, 1, True, False, True, False),
-                                             (64, 64, 128, 4, True, False, False, False),
-                                             (64, 64, 128, 1, True, True, False, True))]
+                              "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "ARGMAX": am},
+                        f"fp16 m{m} n{n} k{k} split{sk} bias={b} even={e} silu_mul={s} gated={gt} argmax={am}")
+            for m, n, k, sk, b, e, s, gt, am in ((64, 32, 128, 1, False, True, False, False, False),
+                                                 (32, 64, 64, 1, True, False, True, False, False),
+                                                 (64, 64, 128, 4, True, False, False, False, False),
+                                                 (64, 64, 128, 1, True, True, False, True, False),
+                                                 (64, 64, 64, 1, False, False, False, False, True))]
 
 
 register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)  # native route only (runner)
@@ -256,24 +280,29 @@ register_kernel("gemm.decode_batch", _batch_gemm_kernel, _specs(), compat=False)
 def _tma_specs() -> list[CompileSpec]:
     sig = {"XD": "tensordesc<fp16[64, 128]>", "UD": "tensordesc<fp16[64, 128]>", "WD": "tensordesc<fp16[64, 128]>",
            "W": "*fp16", "B": "*fp16", "Y": "*fp16", "WS": "*fp32", "COUNTERS": "*i32", "G": "*fp32", "R": "*fp32",
-           "SS": "*fp32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_wn": "i32",
+           "SS": "*fp32", "PV": "*fp32", "PI": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32",
+           "stride_wn": "i32",
            "stride_ym": "i32", "stride_rm": "i32", "eps": "fp32", "g_scale": "fp32", "n_parts": "i32",
            "out_scale": "fp32",
            "BLOCK_M": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "HAS_BIAS": "constexpr",
            "SILU_MUL": "constexpr", "PDL": "constexpr", "PREFETCH_K": "constexpr", "GATED": "constexpr",
            "NORM": "constexpr", "RES_ADD": "constexpr", "NORM_X": "constexpr", "SS_OUT": "constexpr",
-           "SS_PARTS": "constexpr"}
+           "SS_PARTS": "constexpr", "ARGMAX": "constexpr"}
     return [CompileSpec(sig, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": sk, "HAS_BIAS": b,
                               "SILU_MUL": s, "PDL": False, "PREFETCH_K": 0, "GATED": gt, "NORM": nm, "RES_ADD": ra,
-                              "NORM_X": nx, "SS_OUT": ra and nm is False, "SS_PARTS": sp},
+                              "NORM_X": nx, "SS_OUT": ra and nm is False, "SS_PARTS": sp, "ARGMAX": am},
                         f"fp16 m64 n64 k128 split{sk} bias={b} silu_mul={s} gated={gt} norm={nm} res_add={ra} "
-                        f"norm_x={nx} parts={sp} tma")
-            for sk, b, s, gt, nm, ra, nx, sp in (
-                (1, False, False, False, False, False, True, 0), (2, True, True, False, False, False, True, 0),
-                (1, True, False, True, False, False, True, 0), (1, False, False, True, True, False, False, 64),
-                (1, False, False, False, True, False, True, 0), (2, False, False, False, False, True, True, 0),
-                (1, False, False, False, False, True, True, 0))]
+                        f"norm_x={nx} parts={sp} argmax={am} tma")
+            for sk, b, s, gt, nm, ra, nx, sp, am in (
+                (1, False, False, False, False, False, True, 0, False),
+                (2, True, True, False, False, False, True, 0, False),
+                (1, True, False, True, False, False, True, 0, False),
+                (1, False, False, True, True, False, False, 64, False),
+                (1, False, False, False, True, False, True, 0, False),
+                (2, False, False, False, False, True, True, 0, False),
+                (1, False, False, False, False, True, True, 0, False),
+                (1, False, False, False, False, False, True, 0, True))]
 
 
 register_kernel("gemm.decode_batch_tma", _batch_gemm_tma_kernel, _tma_specs(), compat=False)  # sm_90+ only
@@ -342,7 +371,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
                out: Optional[torch.Tensor] = None, prefetch_k: Optional[int] = None,
                gated: bool = False, norm: Optional["FoldedNorm"] = None,
                residual: Optional[torch.Tensor] = None, sumsq_out: Optional[torch.Tensor] = None,
-               sumsq_in: Optional[tuple[torch.Tensor, int]] = None, residual_out_scale: float = 1.0) -> torch.Tensor:
+               sumsq_in: Optional[tuple[torch.Tensor, int]] = None, residual_out_scale: float = 1.0,
+               argmax_out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [M, K] (MIN_ROWS <= M <= MAX_ROWS, last dim contiguous), w [N, K] (K contiguous), fp16 or bf16 ->
     [M, N] in x's dtype. With silu_mul, x is [M, 2K] = [gate | up] and the product uses silu(gate) * up.
     With gated (the other side of the same seam), w is [2N, K] = [gate; up] and the result [M, N] is
@@ -354,7 +384,8 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     dtype. sumsq_out (with residual; fp32, at least n_tiles * row_block(M) elements): each output tile's per-row
     sums of squares of the result, for the next GEMM's norm. sumsq_in = (that buffer, its producer's n_tiles), with
     norm: the norm's sums of squares are summed from those partials instead of computed from x (x must be the
-    producer's result)."""
+    producer's result). argmax_out (int64 [M]; plain tiles without split-K): no [M, N] output, but each row's argmax
+    of it (as torch.argmax of the rounded output would give) is written there and returned: a greedy LM head."""
     m, kx = x.shape
     k = kx // 2 if silu_mul else kx
     n = w.shape[0] // 2 if gated else w.shape[0]
@@ -363,7 +394,9 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
             or x.dtype not in (torch.float16, torch.bfloat16)  # fp32 tl.dot would round through tf32
             or (gated and (w.shape[0] % 2 or silu_mul or config[4] != 1))
             or ((norm is not None or residual is not None) and not _tma_fold_ok(x, w, k, config, norm, residual))
-            or (sumsq_out is not None and residual is None) or (sumsq_in is not None and norm is None)):
+            or (sumsq_out is not None and residual is None) or (sumsq_in is not None and norm is None)
+            or (argmax_out is not None and not _argmax_ok(argmax_out, m, config, silu_mul, gated, norm, residual,
+                                                          out))):
         raise ValueError(f"batch_gemm: x {tuple(x.shape)} {x.dtype} / w {tuple(w.shape)} {w.dtype} "
                          f"(silu_mul={silu_mul}, gated={gated}, config {config}) not supported")
     block_n, block_k, warps, stages, split, *tma = config
@@ -375,17 +408,23 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
     n_tiles = triton.cdiv(n, block_n)
     if split > 1 and n_tiles > MAX_COUNTERS:
         raise ValueError(f"batch_gemm: {n_tiles} output tiles exceed the {MAX_COUNTERS} split-K counters")
-    if out is None:
+    if argmax_out is not None:  # per-row partials of every tile instead of the output ("out" only names its dtype)
+        out = w
+        pv = torch.empty(m * n_tiles, dtype=torch.float32, device=x.device)
+        pi = torch.empty(m * n_tiles, dtype=torch.int32, device=x.device)
+    elif out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if split > 1:  # fp32 partials, one [BLOCK_M, N] slice per split; the caching allocator serves graphs too
         ws = torch.empty(split * block_m * n, dtype=torch.float32, device=x.device)
         counters = _split_counters(x.device)
     else:
         ws = counters = out
+    if argmax_out is None:
+        pv = pi = ws
     stages = _fitting_stages(x.device, stages, block_m, block_n * (2 if gated else 1), block_k, x.element_size(),
                              silu_mul, all_stages=gated and bool(tma and tma[0]))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, HAS_BIAS=bias is not None,
-                SILU_MUL=silu_mul, GATED=gated, num_warps=warps, num_stages=stages,
+                SILU_MUL=silu_mul, GATED=gated, ARGMAX=argmax_out is not None, num_warps=warps, num_stages=stages,
                 **pdl.gemm_launch_options(BATCH_PREFETCH_K if prefetch_k is None else prefetch_k))
     b = bias if bias is not None else w
     if tma and tma[0] and _tma_aligned(x, w, k):
@@ -402,16 +441,28 @@ def batch_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = 
         if sumsq_in is not None and ss.numel() < n_parts * block_m:
             raise ValueError(f"batch_gemm: sumsq_in holds {ss.numel()} < {n_parts * block_m} partials")
         _batch_gemm_tma_kernel[(n_tiles, split)](
-            xd, ud, wd, w, b, out, ws, counters, g, r, ss, m, n, k, tiles_per_split * block_k, w.stride(0),
-            out.stride(0), r.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
-            norm.scale if norm is not None else 1.0, n_parts, float(residual_out_scale), NORM=norm is not None,
-            RES_ADD=residual is not None, NORM_X=norm is None or not norm.in_weight, SS_OUT=sumsq_out is not None,
+            xd, ud, wd, w, b, out, ws, counters, g, r, ss, pv, pi, m, n, k, tiles_per_split * block_k,
+            w.stride(0), out.stride(0), r.stride(0) if residual is not None else 0,
+            norm.eps if norm is not None else 0.0, norm.scale if norm is not None else 1.0, n_parts,
+            float(residual_out_scale), NORM=norm is not None, RES_ADD=residual is not None,
+            NORM_X=norm is None or not norm.in_weight, SS_OUT=sumsq_out is not None,
             SS_PARTS=triton.next_power_of_2(n_parts) if n_parts else 0, **meta)
     else:  # pointer loads (also a TMA config's fallback for operands TMA cannot address)
         _batch_gemm_kernel[(n_tiles, split)](
-            x, w, b, out, ws, counters, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0), out.stride(0),
-            EVEN_K=k % block_k == 0, **meta)
+            x, w, b, out, ws, counters, pv, pi, m, n, k, tiles_per_split * block_k, x.stride(0), w.stride(0),
+            out.stride(0), EVEN_K=k % block_k == 0, **meta)
+    if argmax_out is not None:
+        from voltllm.kernels.argmax import argmax_of_partials
+
+        return argmax_of_partials(pv, pi, m, n_tiles, argmax_out)
     return out
+
+
+def _argmax_ok(argmax_out: torch.Tensor, m: int, config: tuple, silu_mul: bool, gated: bool,
+               norm: Optional["FoldedNorm"], residual: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> bool:
+    """The argmax epilogue's form: plain tiles without split-K, an int64 [M] target, no other output."""
+    return (argmax_out.dtype == torch.int64 and argmax_out.shape == (m,) and argmax_out.is_contiguous()
+            and config[4] == 1 and not (silu_mul or gated) and norm is None and residual is None and out is None)
 
 
 class FoldedNorm:

@@ -247,6 +247,10 @@ class Sampler:
             logits = apply_token_bitmask_(logits.clone(), token_bitmask)
         return SamplerOutput(tokens=greedy_tokens(logits), num_logprobs=[None] * logits.shape[0])
 
+    def argmax_output(self, tokens: torch.Tensor) -> SamplerOutput:
+        """`sample_argmax`'s result for rows whose argmax the LM head took itself (the model's greedy_tokens)."""
+        return SamplerOutput(tokens=tokens, num_logprobs=[None] * tokens.shape[0])
+
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], logits_owned: bool = False,
                token_bitmask: Optional[TokenBitmask] = None) -> SamplerOutput:
         """logits_owned: the caller hands `logits` over (the runner's fresh lm_head output), so min_tokens bans

@@ -899,15 +899,21 @@ class ModelRunner:
         if reqs:
             rows = (slice(*rows_idx) if isinstance(rows_idx, tuple)
                     else to_device(rows_idx, torch.long, self.device))
-            logits = self.model.compute_logits(hidden[rows])
-            bitmask = None  # structured outputs' allowed tokens (core.py fills sched.grammar_masks)
             constrained = (sched.grammar_masks.for_requests([r.request_id for r in reqs])
                            if sched.grammar_masks is not None else None)
+            greedy = all(r.argmax_only for r in reqs)
+            # a greedy batch without grammar masks: the LM head may take the argmax itself (no logits written)
+            head_argmax = greedy and constrained is None and hasattr(self.model, "greedy_tokens")
+            tokens = self.model.greedy_tokens(hidden[rows]) if head_argmax else None
+            logits = self.model.compute_logits(hidden[rows]) if tokens is None else None
+            bitmask = None  # structured outputs' allowed tokens (core.py fills sched.grammar_masks)
             if constrained is not None:
                 dst, words = constrained
                 bitmask = TokenBitmask(upload(words, self.device),
                                        None if len(dst) == len(reqs) else to_device(dst, torch.long, self.device))
-            if all(r.argmax_only for r in reqs):
+            if tokens is not None:
+                out = self.sampler.argmax_output(tokens)
+            elif greedy:
                 out = self.sampler.sample_argmax(logits, bitmask)
             else:
                 # num_pending counts this step's sample too: the ones before it are still in flight. Only
@@ -1170,7 +1176,7 @@ class ModelRunner:
             if self.config.device.compat == "none" and not self.config.device.enforce_eager:
                 sizes = decode_capture_sizes(self.config.scheduler.max_num_seqs, self.config.device.cuda_graphs)
                 for model in models:
-                    tune_batch_gemm(model, sizes)
+                    tune_batch_gemm(model, sizes, head_argmax=model is self.model)
                 from voltllm.worker.norm_fold_tuning import tune_norm_fold
 
                 tune_norm_fold(self.model, sizes)  # (after tune_batch_gemm: it times the layers on those choices)

@@ -274,10 +274,12 @@ BATCH_MIN_WEIGHT_BYTES = 0
 
 
 @torch.inference_mode()
-def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple[int, int, int], object]:
+def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int],
+                    head_argmax: bool = False) -> dict[tuple[int, int, int], object]:
     """Set `batch_gemm[rows]` on every unquantized Linear of at least BATCH_MIN_WEIGHT_BYTES (and `logits_batch[rows]`
     on the model for its LM head) where the decode-batch Triton GEMM beats cuBLAS at that row count (rows in
-    [MIN_ROWS, MAX_ROWS])."""
+    [MIN_ROWS, MAX_ROWS]); with head_argmax (the target model, whose greedy batches the runner samples through
+    greedy_tokens) also `logits_argmax[rows]` where the head's argmax epilogue wins (BATCH_HEAD_ARGMAX)."""
     from voltllm.kernels.batch_gemm import MAX_ROWS, MIN_ROWS, batch_gemm, configs_for
 
     # Only the timed row counts get a choice: an eager batch between them (--enforce-eager, a mixed step) keeps cuBLAS.
@@ -318,6 +320,14 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
                     head.pop(rows, None)
                     if use is not None:
                         head[rows] = use
+                    argmax = model.logits_argmax = dict(model.logits_argmax or {})
+                    argmax.pop(rows, None)
+                    if head_argmax and BATCH_HEAD_ARGMAX and hasattr(model, "greedy_tokens") \
+                            and getattr(model, "tp", None) is None:
+                        cfg, head_note = _choose_head_argmax(weights, x, best, use)
+                        note += head_note
+                        if cfg is not None:
+                            argmax[rows] = cfg
                     continue
                 if use is not None:
                     m.batch_gemm[rows] = use
@@ -329,6 +339,43 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int]) -> dict[tuple
     if lines:
         logger.info("decode-batch GEMM choice (cold L2):\n  %s", "\n  ".join(lines))
     return decisions
+
+
+# Whether the decode-batch tuner also times the LM head with the greedy argmax in its epilogue (batch_gemm's
+# argmax_out: no logits written, no argmax kernel; the model's greedy_tokens) against the head as chosen followed by
+# the argmax kernel, and takes it for greedy batches where it is faster.
+BATCH_HEAD_ARGMAX = True
+# The tile it times when the plain head's best Triton tile has split-K (the argmax epilogue has none): the plain
+# head's fastest tile on the H100 (8B, 64 rows: 417.6 us against cuBLAS's 429.0, session 74).
+HEAD_ARGMAX_FALLBACK_CONFIG = (64, 64, 4, 5, 1)
+
+
+def _choose_head_argmax(weights: list[torch.Tensor], x: torch.Tensor, best, use) -> tuple[object, str]:
+    """The LM head at x's row count for greedy batches: the head as chosen (`use`: a Triton config, None: cuBLAS)
+    then the argmax kernel, against the plain head's best Triton tile (`best`) with the argmax in its epilogue.
+    Returns (that config where it is faster and its tokens are the plain tile's argmax, else None; a log note)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from voltllm.kernels.batch_gemm import batch_gemm
+    from voltllm.sampling.sampler import greedy_tokens
+
+    head = (lambda w_: batch_gemm(x, w_, config=use)) if use is not None else (lambda w_: F.linear(x, w_))
+    t_sep = graph_replay_ms(lambda w_: greedy_tokens(head(w_)), weights)
+    cfg = best if best is not None and best[4] == 1 else HEAD_ARGMAX_FALLBACK_CONFIG
+    target = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    try:
+        same = torch.equal(batch_gemm(x, weights[0], config=cfg, argmax_out=target),
+                           batch_gemm(x, weights[0], config=cfg).argmax(dim=-1))
+    except (OutOfResources, PTXASError, CompilationError) as e:
+        logger.debug("LM head argmax config %s skipped: %s", cfg, e)
+        return None, ""
+    if not same:
+        return None, f"; argmax epilogue {cfg} disagrees with its plain tile's argmax: not used"
+    t_fused = graph_replay_ms(lambda w_: batch_gemm(x, w_, config=cfg, argmax_out=target), weights)
+    win = t_fused < t_sep
+    return (cfg if win else None), (f"; greedy: head + argmax kernel {t_sep * 1e3:.1f} us, argmax epilogue {cfg} "
+                                    f"{t_fused * 1e3:.1f} us -> {'epilogue' if win else 'kernel'}")
 
 
 # Whether the decode-batch tuner also times the down projection with the SiLU*mul in its prologue. Off: at 16-64 rows

@@ -346,6 +346,9 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
     # {rows: decode-batch config} for decode batches
     logits_skinny = None
     logits_batch: Optional[dict] = None
+    # {rows: decode-batch config} where the start-up timing found the LM head with the argmax in its epilogue faster
+    # than the head then the argmax kernel (greedy_tokens)
+    logits_argmax: Optional[dict] = None
 
     @property
     def logits_weight(self) -> Optional[torch.Tensor]:
@@ -369,6 +372,18 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
         # every rank's vocabulary rows side by side (every rank calls this: the gather is a collective)
         logits = self.tp.all_gather_last(logits)
         return logits if logits.shape[-1] == self.vocab_size else logits[..., :self.vocab_size].contiguous()
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """compute_logits(hidden).argmax(-1) (int64) without the logits, where the start-up timing chose the LM head
+        with the argmax in its epilogue for this row count (kernels/batch_gemm.py, argmax_out); else None."""
+        config = (self.logits_argmax or {}).get(hidden.shape[0]) if hidden.dim() == 2 else None
+        w = self.logits_weight
+        if config is None or w is None or self.tp is not None or not hidden.is_cuda:
+            return None
+        from voltllm.kernels.batch_gemm import batch_gemm
+
+        return batch_gemm(hidden, w, config=config,
+                          argmax_out=torch.empty(hidden.shape[0], dtype=torch.long, device=hidden.device))
 
     def _loads_head(self, name: str) -> bool:
         """Whether this checkpoint weight is (or holds the rows of) the classifier's head: score.weight, else the LM
