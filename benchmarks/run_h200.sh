@@ -2330,16 +2330,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     gpu_group files 560 3 loadfile "$@"
     ;;
   s175a)  # (session 75; carry .whl) the greedy LM head with its argmax in the GEMM epilogue (no logits, no argmax
-    # kernel; skinny_tuning.BATCH_HEAD_ARGMAX): 8B c64 A (off) / B (on, the tuner's choice) / A / B, then its GPU files
+    # kernel; skinny_tuning.BATCH_HEAD_ARGMAX) and the folded batch's first inputs in one kernel (norm_fold.EMBED_ROWS):
+    # 8B c64 A (both off) / B (both on) / C (head argmax only) / A / B, then their GPU files
     card
-    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False"
+    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
     side_bench c64-A1 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
-    side_bench c64-B1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-headargmax-B1-$sha
+    side_bench c64-B1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B1-$sha
     grep -E "151936x4096" "$out/c64-B1.log" | head -2
+    side_bench c64-C1 "--set voltllm.model.norm_fold:EMBED_ROWS=False" $C64_8B --name qwen3-8b-shape-fp16-c64-C1-$sha
     side_bench c64-A2 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
-    (( SECONDS < 330 )) && side_bench c64-B2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-headargmax-B2-$sha
-    gpu_group heads $(( 585 - SECONDS )) 3 loadfile test_head_argmax_gpu test_argmax_cuda test_gemv_cuda
-    for f in c64-A1 c64-B1 c64-A2 c64-B2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms|ttft_ms) " "$out/$f.log"; done
+    (( SECONDS < 330 )) && side_bench c64-B2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B2-$sha
+    gpu_group heads $(( 585 - SECONDS )) 3 loadfile test_head_argmax_gpu test_norm_fold_gpu test_argmax_cuda
+    for f in c64-A1 c64-B1 c64-C1 c64-A2 c64-B2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms|ttft_ms) " "$out/$f.log"; done
     ;;
   s174a)  # (session 74; carry .whl; on branch attn-persist-s73, else the persist side is production again) 8B c64:
     # A / QK-norm + RoPE + KV store inside the decode kernel (FUSED_DECODE_ROPE, off since session 10; the qkv GEMM

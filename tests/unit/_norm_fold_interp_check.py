@@ -24,6 +24,27 @@ def counting_add(self, *args, **kwargs):
 
 
 nf.NormFoldStep.add_to_residual = counting_add
+_embed_first = nf.NormFoldStep.embed_first
+calls["embed_first"] = 0
+
+
+def counting_embed_first(self, *args, **kwargs):
+    first = _embed_first(self, *args, **kwargs)
+    calls["embed_first"] += first is not None
+    return first
+
+
+nf.NormFoldStep.embed_first = counting_embed_first
+# the folded batch's first inputs in one kernel (kernels/embed_rows.py): bit for bit the unfused ops' values
+import torch  # noqa: E402
+
+from voltllm.kernels.embed_rows import embed_rows, embed_rows_ref  # noqa: E402
+
+table = torch.randn(300, 96, dtype=torch.float16) * 4
+table[7, :5] = torch.tensor([6e4, -6e4, 1e-7, 3e-5, 0.0])  # fp16's range edges: the scale makes some subnormal
+ids = torch.tensor([7, 0, 299, 7, 150])
+got, want = embed_rows(table, ids, torch.float32, 2.0 ** -4), embed_rows_ref(table, ids, torch.float32, 2.0 ** -4)
+assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1].dtype == torch.float32, "embed_rows"
 params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
 prompts = ["hello world, this is", "a b c", "The quick brown fox jumps over the lazy dog"]
 kind = sys.argv[1]
@@ -51,9 +72,10 @@ with tempfile.TemporaryDirectory() as d:
     worst_w = max(abs(a - b) for x, y in zip(plain_lps, fold_lps) for a, b in zip(x, y))
     layers = len(model.layers)
     ok = (plain_tokens == folded_tokens == fold_tokens and worst < 0.05 and worst_w < 0.05
-          and calls["folded"] >= 2 * layers * 6)
+          and calls["folded"] >= 2 * layers * 6 and calls["embed_first"] >= 5)
     print(f"{kind}: tokens {'equal' if plain_tokens == folded_tokens == fold_tokens else 'DIFFER'}, worst logprob "
-          f"difference folded {worst:.4f}, weights folded only {worst_w:.4f}, folded residual adds {calls['folded']}")
+          f"difference folded {worst:.4f}, weights folded only {worst_w:.4f}, folded residual adds {calls['folded']}, "
+          f"first inputs in one kernel {calls['embed_first']}")
     if not ok:
         print(f"FAIL {kind}: plain {plain_tokens} folded {folded_tokens} weights folded {fold_tokens}")
         sys.exit(1)

@@ -32,6 +32,9 @@ FOLD_CONFIGS = {"qkv": (64, 128, 4, 6, 1, True), "o": (32, 256, 4, 4, 1, True),
                 "gate_up": (64, 128, 4, 6, 1, True), "down": (32, 256, 4, 4, 1, True)}
 # The rounded residual the folded GEMMs of an fp16 model read is residual * X_SCALE (a power of two: exact scaling).
 X_SCALE = 2.0 ** -4
+# Whether a folded decode batch takes its embeddings, residual stream and first input from one kernel
+# (NormFoldStep.embed_first) instead of four.
+EMBED_ROWS = True
 MIN_ROWS = 16  # below, the decode-batch tiles are mostly masked rows (and cuBLAS often wins the projections)
 # Only layers whose projection weights are at least this big are timed for it. Measured end to end at 64 x 128/128 on
 # the H100 (benchmarks/results/session71/): the 8B's shape (386 MB per layer) 2.2-2.4% faster per decode step, but
@@ -122,6 +125,19 @@ class NormFoldStep:
     def first_input(self, residual: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The first layer's input: the residual stream (the embeddings) scaled and rounded as the epilogues do."""
         return (residual * self.plan.x_scale).to(dtype)
+
+    def embed_first(self, embedding, ids: torch.Tensor) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(first layer's input, residual stream) for token ids straight from a plain embedding table in one launch
+        (kernels/embed_rows.py): what the embedding, residual_stream and first_input give in four; None for other
+        embeddings (quantized, vocabulary-parallel under TP)."""
+        from voltllm.kernels.embed_rows import embed_rows
+
+        table = getattr(embedding, "weight", None)
+        if (type(embedding) is not torch.nn.Embedding or ids.dim() != 1 or table is None
+                or table.dtype not in (torch.float16, torch.bfloat16) or not EMBED_ROWS):
+            return None
+        return embed_rows(table, ids, torch.float32 if table.dtype == torch.float16 else table.dtype,
+                          self.plan.x_scale)
 
     def layer(self, layer, x: torch.Tensor, residual: torch.Tensor, attend) -> torch.Tensor:
         """One decoder layer (llama.DecoderLayer) folded: x is the residual scaled and rounded, `attend` maps the qkv

@@ -310,16 +310,19 @@ class LlamaForCausalLM(AuxHiddenCapture, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         residual = None
+        images = ctx.extra.get("image_embeds")
+        fused = self.fused_decode(input_ids) or (images is None and self.norm_fold_step(input_ids)) or False
+        first = fused.embed_first(self.embed_tokens, input_ids) if isinstance(fused, NormFoldStep) else None
         if self.embed_tokens is None:  # a later pipeline stage
             x, residual = self.pp.receive(input_ids, self.config.hidden_size, self.dtype, self.aux_hidden)
+        elif first is not None:  # a folded decode batch: its first input and residual stream in one launch
+            x, residual = first
         else:
             x = self.embed_tokens(input_ids)
-        images = ctx.extra.get("image_embeds")
         deepstack = None
         if images is not None:  # the vision tower's rows in place of the image placeholders' (worker/image_step.py)
             x.index_copy_(0, images[0], images[1].to(x.dtype))
             deepstack = ctx.extra.get("image_deepstack")  # Qwen3-VL: one set of rows per level, the same tokens
-        fused = self.fused_decode(input_ids) or (images is None and self.norm_fold_step(input_ids)) or False
         aux = self.aux_hidden is not None  # a DFlash drafter's or EAGLE-3 head's target features (AuxHiddenCapture)
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, ctx, fused)
