@@ -904,8 +904,9 @@ class ModelRunner:
             greedy = all(r.argmax_only for r in reqs)
             # a greedy batch without grammar masks: the LM head may take the argmax itself (no logits written)
             head_argmax = greedy and constrained is None and hasattr(self.model, "greedy_tokens")
-            tokens = self.model.greedy_tokens(hidden[rows]) if head_argmax else None
-            logits = self.model.compute_logits(hidden[rows]) if tokens is None else None
+            last = hidden[rows]
+            tokens = self.model.greedy_tokens(last) if head_argmax else None
+            logits = self.model.compute_logits(last) if tokens is None else None
             bitmask = None  # structured outputs' allowed tokens (core.py fills sched.grammar_masks)
             if constrained is not None:
                 dst, words = constrained
