@@ -99,15 +99,15 @@ def _triton_gemm_note(runner: Any) -> str:
     rows = sorted({r for m in layers for r in (getattr(m, "batch_gemm", None) or {})} | set(head_batch))
     many = sum(1 for m in layers if getattr(m, "batch_gemm", None)) + (1 if head_batch else 0)
     head_argmax = sorted(getattr(model, "logits_argmax", None) or {})  # (the greedy LM head's argmax epilogue)
-    if not one and not many and not head_argmax:
-        return ""
+    argmax_note = (f"; greedy batches' argmax in the LM head's epilogue at rows {_row_ranges(head_argmax)}"
+                   if head_argmax else "")
+    if not one and not many:
+        return argmax_note
     fold = getattr(model, "norm_fold", None)  # (model/norm_fold.py, chosen by timing the layer stack)
     return (f"; Triton GEMMs where start-up timing beat cuBLAS: skinny (1 row) on {one} layers"
             + (f", decode-batch (rows {_row_ranges(rows)}) on {many} layers" if many else "")
             + (f"; RMSNorms folded into the decode-batch GEMMs at rows {_row_ranges(sorted(fold.configs))}"
-               if fold is not None else "")
-            + (f"; greedy batches' argmax in the LM head's epilogue at rows {_row_ranges(head_argmax)}"
-               if head_argmax else ""))
+               if fold is not None else "") + argmax_note)
 
 
 def _row_ranges(rows: list[int]) -> str:
