@@ -415,9 +415,10 @@ def test_triton_gemm_note_counts_the_lm_head_once():
         model.norm_fold = types.SimpleNamespace(configs={32: {}, 48: {}, 64: {}})  # (the start-up timing's plan)
         assert _triton_gemm_note(runner).endswith("; RMSNorms folded into the decode-batch GEMMs at rows 32, 48, 64")
         model.logits_argmax = {16: ("b",), 24: ("b",), 32: ("b",)}  # (the greedy head's argmax epilogue)
-        assert _triton_gemm_note(runner).endswith("; greedy batches' argmax in the LM head's epilogue at rows 16, 24, 32")
+        note = "; greedy batches' argmax in the LM head's epilogue at rows 16, 24, 32"
+        assert _triton_gemm_note(runner).endswith(note)
         model.norm_fold = model.logits_skinny = model.logits_batch = None
         model.layers[0].self_attn.qkv_proj.skinny = model.layers[0].mlp.down_proj.batch_gemm = None
         if not tie:
             model.lm_head.skinny = model.lm_head.batch_gemm = None
-        assert _triton_gemm_note(runner) == "; greedy batches' argmax in the LM head's epilogue at rows 16, 24, 32"
+        assert _triton_gemm_note(runner) == note
