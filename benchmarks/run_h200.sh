@@ -2329,6 +2329,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s175b)  # (session 75; carry .whl; after s175a) the greedy LM head's forms at 16 / 32 / 64 rows (micro/head_argmax.py:
+    # cuBLAS + argmax kernel, each split-K-free tile + argmax kernel, the same tile with the argmax epilogue), then
+    # #4's proof rows at the new defaults: the 8B at 1 / 4 / 16 / 64 x 128/128
+    card
+    timeout 200 python3 benchmarks/micro/head_argmax.py > "$out/head-argmax.txt" 2>&1; tail -40 "$out/head-argmax.txt"
+    timeout $(( 585 - SECONDS )) python3 -m voltllm.cli bench --random-weights qwen3-8b-shape --dtype half \
+      --scenario concurrency --concurrency 1,4,16,64 --input-len 128 --output-len 128 --num-warm 2 --commit "$sha" \
+      --output-dir "$out" --name qwen3-8b-shape-fp16-concurrency-$sha > "$out/conc.log" 2>&1
+    grep -E "^(concurrent|output_tok|ttft|tpot)" "$out/conc.log"
+    ;;
   s175a)  # (session 75; carry .whl) the greedy LM head with its argmax in the GEMM epilogue (no logits, no argmax
     # kernel; skinny_tuning.BATCH_HEAD_ARGMAX) and the folded batch's first inputs in one kernel (norm_fold.EMBED_ROWS):
     # 8B c64 A (both off) / B (both on) / C (head argmax only) / A / B, then their GPU files
