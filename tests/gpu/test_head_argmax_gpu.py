@@ -46,8 +46,10 @@ def test_argmax_epilogue_matches_its_plain_tile(n, k, dtype):
         pdl.configure(False)
 
 
-def test_argmax_epilogue_in_graph_and_nan():
-    """Replays of a captured argmax head (fresh rows copied in) give the eager tokens; a NaN logit column wins."""
+def test_argmax_epilogue_in_graph_and_edges():
+    """PDL on: replays of a captured argmax head (fresh rows copied in) give the eager tokens; then the edges through a
+    bias: a row of -inf logits everywhere (index 0), +inf in two tiles (the first), a NaN column (it outranks all)."""
+    from voltllm.kernels import pdl
     from voltllm.kernels.batch_gemm import batch_gemm
 
     g = torch.Generator(device="cuda").manual_seed(random.SystemRandom().randrange(1 << 30))
@@ -55,22 +57,36 @@ def test_argmax_epilogue_in_graph_and_nan():
     x = torch.randn(64, 4096, dtype=torch.float16, device="cuda", generator=g)
     cfg = (64, 64, 4, 5, 1)
     out = torch.empty(64, dtype=torch.long, device="cuda")
-    batch_gemm(x, w, config=cfg, argmax_out=out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    pdl.configure(True)
+    try:
         batch_gemm(x, w, config=cfg, argmax_out=out)
-    for _ in range(3):
-        x.copy_(torch.randn(64, 4096, dtype=torch.float16, device="cuda", generator=g))
-        out.fill_(-1)
-        graph.replay()
-        assert torch.equal(out, batch_gemm(x, w, config=cfg).argmax(dim=-1))
-    w[70000] = float("nan")
-    w[140000] = float("nan")
-    assert torch.equal(batch_gemm(x, w, config=cfg, argmax_out=torch.empty_like(out)), torch.full_like(out, 70000))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            batch_gemm(x, w, config=cfg, argmax_out=out)
+        for _ in range(3):
+            x.copy_(torch.randn(64, 4096, dtype=torch.float16, device="cuda", generator=g))
+            out.fill_(-1)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, batch_gemm(x, w, config=cfg).argmax(dim=-1))
+        bias = torch.zeros(151936, dtype=torch.float16, device="cuda")
+        bias[:] = float("-inf")
+        got = batch_gemm(x, w, bias, config=cfg, argmax_out=torch.empty_like(out))
+        assert torch.equal(got, torch.zeros_like(out))
+        bias[:] = 0
+        bias[5000] = bias[150000] = float("inf")
+        got = batch_gemm(x, w, bias, config=cfg, argmax_out=torch.empty_like(out))
+        assert torch.equal(got, torch.full_like(out, 5000))
+        w[70000] = float("nan")
+        w[140000] = float("nan")
+        got = batch_gemm(x, w, bias, config=cfg, argmax_out=torch.empty_like(out))
+        assert torch.equal(got, torch.full_like(out, 70000))
+    finally:
+        pdl.configure(False)
 
 
-def test_head_argmax_engine_generates_the_same(tmp_path):
+def test_head_argmax_engine_generates_the_same(tmp_path, monkeypatch):
     """A random Qwen3-shaped model (untied head): 24 greedy tokens for 16 prompts with the LM head's argmax epilogue on
     every row count equal the run with the head on the same tile and the argmax kernel after it (same engine, same
     weights: the tile's rounding is the same, only where the argmax is taken moves); the tuner's choice is logged."""
@@ -88,6 +104,10 @@ def test_head_argmax_engine_generates_the_same(tmp_path):
     model.logits_argmax = {}
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     model.logits_argmax = {r: cfg for r in range(2, 17)}
+    taken, sampler = [], llm.engine.runner.sampler
+    real = sampler.argmax_output  # (the instance's: route counters may wrap it)
+    monkeypatch.setattr(sampler, "argmax_output", lambda t: taken.append(t.shape[0]) or real(t))
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert on == off
+    assert len(taken) >= 24 and max(taken) == 16, taken  # every step of the batch took the epilogue
     llm.engine.check_integrity()

@@ -169,3 +169,17 @@ def test_lm_head_runs_the_tuned_gemm_by_row_count(monkeypatch, kind, tie):
         if rows == 3:  # no tuned choice at 3 rows
             assert torch.allclose(logits, h @ w.t(), atol=1e-5)
     assert calls == [("gemv", 1, ("s",), False), ("batch", 4, ("b4",), False)]
+
+
+def test_greedy_tokens_only_where_the_tuner_chose_the_epilogue(monkeypatch):
+    """LlamaForCausalLM.greedy_tokens (the LM head's argmax epilogue) answers None, so the runner computes logits,
+    without a start-up choice for the row count and on the CPU; no GEMM runs then. (Its positive path and the other
+    guards need CUDA tensors: tests/gpu/test_head_argmax_gpu.py.)"""
+    calls = _recorders(monkeypatch)
+    model = _tiny_causal_lm("qwen3", False)
+    h = torch.randn(4, 16)
+    assert model.greedy_tokens(h) is None  # no choice
+    model.logits_argmax = {4: ("b4",)}
+    assert model.greedy_tokens(h) is None  # the CPU: no decode-batch Triton GEMM there
+    assert model.greedy_tokens(h[0]) is None  # not a [rows, hidden] batch
+    assert calls == []

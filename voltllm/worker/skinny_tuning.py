@@ -320,14 +320,14 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int],
                     head.pop(rows, None)
                     if use is not None:
                         head[rows] = use
-                    argmax = model.logits_argmax = dict(model.logits_argmax or {})
-                    argmax.pop(rows, None)
                     if head_argmax and BATCH_HEAD_ARGMAX and hasattr(model, "greedy_tokens") \
                             and getattr(model, "tp", None) is None:
-                        cfg, head_note = _choose_head_argmax(weights, x, best, use)
+                        argmax = model.logits_argmax = dict(model.logits_argmax or {})
+                        argmax.pop(rows, None)
+                        cfg, head_note = _choose_head_argmax(weights, x, best, use, t_tri, rec["t_chosen"])
                         note += head_note
-                        if cfg is not None:
-                            argmax[rows] = cfg
+                        if cfg is not None:  # (the logits of other batches come from the same tile: the same argmax)
+                            argmax[rows] = head[rows] = cfg
                     continue
                 if use is not None:
                     m.batch_gemm[rows] = use
@@ -345,24 +345,30 @@ def tune_batch_gemm(model: torch.nn.Module, row_counts: list[int],
 # argmax_out: no logits written, no argmax kernel; the model's greedy_tokens) against the head as chosen followed by
 # the argmax kernel, and takes it for greedy batches where it is faster.
 BATCH_HEAD_ARGMAX = True
-# The tile it times when the plain head's best Triton tile has split-K (the argmax epilogue has none): the plain
-# head's fastest tile on the H100 (8B, 64 rows: 417.6 us against cuBLAS's 429.0, session 74).
-HEAD_ARGMAX_FALLBACK_CONFIG = (64, 64, 4, 5, 1)
+# How much slower than the head as chosen its tile may be when the epilogue takes it (the other batches' head then
+# runs that tile too): the Triton / cuBLAS noise rule's 3%.
+HEAD_ARGMAX_PLAIN_SLACK = 0.03
 
 
-def _choose_head_argmax(weights: list[torch.Tensor], x: torch.Tensor, best, use) -> tuple[object, str]:
-    """The LM head at x's row count for greedy batches: the head as chosen (`use`: a Triton config, None: cuBLAS)
-    then the argmax kernel, against the plain head's best Triton tile (`best`) with the argmax in its epilogue.
-    Returns (that config where it is faster and its tokens are the plain tile's argmax, else None; a log note)."""
+def _choose_head_argmax(weights: list[torch.Tensor], x: torch.Tensor, best, use, t_best: float,
+                        t_use: float) -> tuple[object, str]:
+    """The LM head at x's row count for greedy batches: the head as chosen (`use`: a Triton config, None: cuBLAS;
+    t_use ms) then the argmax kernel, against the plain head's best Triton tile (`best`, t_best ms, checked against
+    cuBLAS by _fastest) with the argmax in its epilogue. Returns (that config where it is faster and its tokens are the
+    plain tile's argmax, else None; a log note). The caller then runs the plain head on the same tile too, so a greedy
+    row's token does not depend on whether its batch took the epilogue or the logits: so the tile must have no split-K
+    (the epilogue has no such form) and be at most HEAD_ARGMAX_PLAIN_SLACK slower than the head as chosen."""
     from triton.compiler.errors import CompilationError
     from triton.runtime.errors import OutOfResources, PTXASError
 
     from voltllm.kernels.batch_gemm import batch_gemm
     from voltllm.sampling.sampler import greedy_tokens
 
+    if best is None or best[4] != 1 or t_best > (1 + HEAD_ARGMAX_PLAIN_SLACK) * t_use:
+        return None, ""
+    cfg = best
     head = (lambda w_: batch_gemm(x, w_, config=use)) if use is not None else (lambda w_: F.linear(x, w_))
     t_sep = graph_replay_ms(lambda w_: greedy_tokens(head(w_)), weights)
-    cfg = best if best is not None and best[4] == 1 else HEAD_ARGMAX_FALLBACK_CONFIG
     target = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     try:
         same = torch.equal(batch_gemm(x, weights[0], config=cfg, argmax_out=target),
@@ -377,8 +383,9 @@ def _choose_head_argmax(weights: list[torch.Tensor], x: torch.Tensor, best, use)
         return None, f"; argmax epilogue {cfg} disagrees with its plain tile's argmax: not used"
     t_fused = graph_replay_ms(lambda w_: batch_gemm(x, w_, config=cfg, argmax_out=target), weights)
     win = t_fused < t_sep
+    verdict = "epilogue (and the plain head on its tile)" if win else "kernel"
     return (cfg if win else None), (f"; greedy: head + argmax kernel {t_sep * 1e3:.1f} us, argmax epilogue {cfg} "
-                                    f"{t_fused * 1e3:.1f} us -> {'epilogue' if win else 'kernel'}")
+                                    f"{t_fused * 1e3:.1f} us -> {verdict}")
 
 
 # Whether the decode-batch tuner also times the down projection with the SiLU*mul in its prologue. Off: at 16-64 rows
