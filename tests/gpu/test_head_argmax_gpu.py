@@ -1,5 +1,5 @@
 """The greedy LM head with its argmax in the decode-batch GEMM's epilogue (kernels/batch_gemm.py `argmax_out`,
-kernels/argmax.py `argmax_of_partials`) on CUDA: at the 8B's head shape and odd ones, every split-K-free config, fp16
+kernels/argmax.py `argmax_of_partials`) on CUDA: at the 8B's head shape (every split-K-free config) and odd ones, fp16
 and bf16, PDL on, eager and replayed from a CUDA graph, it gives the argmax of the same tile's rounded output (and
 torch's argmax of cuBLAS's logits wherever their top two are not within rounding); an engine (whose start-up tuner
 timed the epilogue) generates the same greedy tokens with it as with the same tile followed by the argmax kernel."""
@@ -22,6 +22,7 @@ def _configs():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("n,k", [(151936, 4096), (49152, 576), (1003, 328)])
 def test_argmax_epilogue_matches_its_plain_tile(n, k, dtype):
+    """Every split-K-free tile at the 8B head's shape in fp16; elsewhere one pointer and one TMA tile (compile time)."""
     from voltllm.kernels import pdl
     from voltllm.kernels.batch_gemm import batch_gemm
 
@@ -36,7 +37,10 @@ def test_argmax_epilogue_matches_its_plain_tile(n, k, dtype):
             lib = torch.nn.functional.linear(x, w).float()
             top2 = lib.topk(2, dim=-1).values
             clear = (top2[:, 0] - top2[:, 1]) > 1e-2 * top2[:, 0].abs()  # no near-tie: cuBLAS must agree too
-            for cfg in _configs():
+            configs = _configs()
+            if (n, k) != (151936, 4096) or dtype != torch.float16:
+                configs = [c for c in configs if len(c) == 5][:1] + [c for c in configs if len(c) == 6][:1]
+            for cfg in configs:
                 got = torch.full((m,), -5, dtype=torch.long, device="cuda")
                 batch_gemm(x, w, config=cfg, argmax_out=got)
                 plain = batch_gemm(x, w, config=cfg)
