@@ -33,22 +33,29 @@ def _row_argmax_kernel(X, OUT, PART_V, PART_I, COUNTS, V, stride_x, n_chunks, CH
     idx = c * CHUNK + tl.arange(0, CHUNK)
     v = tl.load(X + row.to(tl.int64) * stride_x + idx, mask=idx < V, other=float("-inf"),
                 eviction_policy="evict_first").to(tl.float32)
-    nan = v != v
-    first_nan = tl.min(tl.where(nan, idx, _NONE), axis=0)
-    v = tl.where(nan, float("-inf"), v)
-    m = tl.max(v, axis=0)
-    m_idx = tl.min(tl.where(v == m, idx, _NONE), axis=0)
-    # a NaN outranks every number: a chunk holding one reports its first NaN's index as -1 - index (a negative
-    # index flags it), and the row's answer is then the first such index whatever the values say
-    is_nan = first_nan < _NONE
+    m, code = part_argmax(v, idx, 0)
     slot = row * n_chunks + c
     tl.store(PART_V + slot, m)
-    tl.store(PART_I + slot, tl.where(is_nan, -1 - first_nan, m_idx))
+    tl.store(PART_I + slot, code)
     tl.debug_barrier()  # the partial is written before the count is released
     arrived = tl.atomic_add(COUNTS + row, 1, sem="acq_rel")
     if arrived == n_chunks - 1:  # the row's last chunk: combine in chunk order
         tl.store(OUT + row, _combine(PART_V + row * n_chunks, PART_I + row * n_chunks, n_chunks, MAX_CHUNKS))
         tl.atomic_xchg(COUNTS + row, 0)
+
+
+@triton.jit
+def part_argmax(v, idx, AXIS: tl.constexpr):
+    """One part's partial along AXIS (v fp32, entries outside the row already -inf; idx their indices, ascending
+    along AXIS): (its maximum, the first index holding it). A NaN outranks every number: a part holding one reports
+    its first NaN's index as -1 - index (a negative index flags it), and the row's answer is then the first such
+    index whatever the values say (_combine)."""
+    nan = v != v
+    first_nan = tl.min(tl.where(nan, idx, _NONE), axis=AXIS)
+    v = tl.where(nan, float("-inf"), v)
+    m = tl.max(v, axis=AXIS)
+    m_idx = tl.min(tl.where(v == tl.expand_dims(m, AXIS), idx, _NONE), axis=AXIS)
+    return m, tl.where(first_nan < _NONE, -1 - first_nan, m_idx)
 
 
 @triton.jit

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from voltllm.host_memory import in_host_memory
 from voltllm.kernels import pdl
+from voltllm.kernels.argmax import part_argmax
 from voltllm.kernels.pdl import pdl_enter, prefetch_rows_l2
 from voltllm.kernels.registry import CompileSpec, register_kernel
 
@@ -158,16 +159,10 @@ def _store_tile_argmax(v, PV, PI, pid, offs_m, offs_n, mask_m, mask_n):
     """Each row's largest value in this tile (v: the tile as the output would hold it, rounded, in fp32) and its first
     column, at PV / PI[row * tiles + pid]; a row holding a NaN reports its first NaN's column c as -1 - c (a NaN
     outranks every number, as in torch.argmax). kernels/argmax.argmax_of_partials combines them in tile order."""
-    none = 2147483647  # "no column" (above any)
-    v = tl.where(mask_n[None, :], v, float("-inf"))
-    nan = v != v
-    first_nan = tl.min(tl.where(nan, offs_n[None, :], none), axis=1)
-    v = tl.where(nan, float("-inf"), v)
-    best = tl.max(v, axis=1)
-    best_col = tl.min(tl.where((v == best[:, None]) & mask_n[None, :], offs_n[None, :], none), axis=1)
+    best, code = part_argmax(tl.where(mask_n[None, :], v, float("-inf")), offs_n[None, :], 1)
     slot = offs_m * tl.num_programs(0) + pid
     tl.store(PV + slot, best, mask=mask_m)
-    tl.store(PI + slot, tl.where(first_nan < none, -1 - first_nan, best_col), mask=mask_m)
+    tl.store(PI + slot, code, mask=mask_m)
 
 
 @triton.jit
