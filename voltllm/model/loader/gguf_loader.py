@@ -121,9 +121,9 @@ def _reader(path: str):
 
 @functools.lru_cache(maxsize=1)
 def _cached_reader(stamps: tuple[tuple[str, int, int], ...]):
-    from gguf import GGUFReader
+    from voltllm.model.loader.gguf_reader import open_gguf
 
-    readers = [GGUFReader(path, "r") for path, _, _ in stamps]
+    readers = [open_gguf(path) for path, _, _ in stamps]
     return readers[0] if len(readers) == 1 else _SplitReader(readers, [path for path, _, _ in stamps])
 
 

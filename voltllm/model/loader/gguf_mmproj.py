@@ -112,9 +112,9 @@ class Mmproj:
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: str, size: int, mtime: int) -> Any:
-    from gguf import GGUFReader
+    from voltllm.model.loader.gguf_reader import open_gguf
 
-    return GGUFReader(path, "r")
+    return open_gguf(path)
 
 
 def _open(path: str) -> Any:
