@@ -2329,6 +2329,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s176a)  # (session 76; carry .whl) where #4's 64 x 128 prompt step spends its GPU time (micro/prompt_step_profile.py:
+    # TTFT, then the step's kernels, matrix products apart), then the greedy LM head's forms (micro/head_argmax.py)
+    card
+    timeout 300 python3 benchmarks/micro/prompt_step_profile.py --prompts 64x128 --top 24 > "$out/prompt-step.txt" 2>&1
+    tail -28 "$out/prompt-step.txt"
+    timeout $(( 585 - SECONDS )) python3 benchmarks/micro/head_argmax.py > "$out/head-argmax.txt" 2>&1
+    tail -30 "$out/head-argmax.txt"
+    ;;
   s175b)  # (session 75; carry .whl; after s175a) the greedy LM head's forms at 16 / 32 / 64 rows (micro/head_argmax.py:
     # cuBLAS + argmax kernel, each split-K-free tile + argmax kernel, the same tile with the argmax epilogue), then
     # #4's proof rows at the new defaults: the 8B at 1 / 4 / 16 / 64 x 128/128
