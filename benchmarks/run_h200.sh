@@ -2329,6 +2329,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     python3 -c "import transformers; print('transformers', transformers.__version__)"
     gpu_group files 560 3 loadfile "$@"
     ;;
+  s176b)  # (session 76; carry .whl) s175a in less device time: 8B c64 A (both off) / B (both on), the two new GPU files,
+    # then A / B again while time is left (for a budget of ~7 minutes)
+    card
+    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
+    side_bench c64-A1 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
+    side_bench c64-B1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B1-$sha
+    grep -E "151936x4096" "$out/c64-B1.log" | head -3
+    gpu_group heads $(( 300 - SECONDS )) 3 loadfile test_head_argmax_gpu test_norm_fold_gpu
+    (( SECONDS < 330 )) && side_bench c64-A2 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
+    (( SECONDS < 380 )) && side_bench c64-B2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B2-$sha
+    for f in c64-A1 c64-B1 c64-A2 c64-B2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms|ttft_ms) " "$out/$f.log"; done
+    ;;
   s176a)  # (session 76; carry .whl) where #4's 64 x 128 prompt step spends its GPU time (micro/prompt_step_profile.py:
     # TTFT, then the step's kernels, matrix products apart), then the greedy LM head's forms (micro/head_argmax.py)
     card
