@@ -321,7 +321,7 @@ side_bench() {  # side_bench TAG "SETS" BENCH-ARGS...: one A/B side through micr
   timeout 250 python3 benchmarks/micro/bench_with_tma_configs.py none $sets -- --commit "$sha" --output-dir "$out" "$@" \
     > "$out/$tag.log" 2>&1
   echo "== $tag"; grep -E "^set |M=64: layers" "$out/$tag.log" | head -4
-  grep -E "^(concurrent|output_tok|ttft|tpot) " "$out/$tag.log"
+  grep -E "^(concurrent_decode_tok_s|output_tok_s|ttft_ms|tpot_ms) " "$out/$tag.log"
 }
 c64_stream() {  # c64_stream RANGE_RATIO BUDGET: 320 requests of 128/128 (spread by the ratio), 64 in flight, the
     # next sent as one ends, at --max-num-batched-tokens BUDGET
@@ -2340,6 +2340,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     (( SECONDS < 330 )) && side_bench c64-A2 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
     (( SECONDS < 380 )) && side_bench c64-B2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B2-$sha
     for f in c64-A1 c64-B1 c64-A2 c64-B2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms|ttft_ms) " "$out/$f.log"; done
+    ;;
+  s176c)  # (session 76; carry .whl; after s176b on the same machine) one more A / B pair of s176b
+    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
+    side_bench c64-A3 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A3-$sha
+    side_bench c64-B3 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B3-$sha
     ;;
   s176a)  # (session 76; carry .whl) where #4's 64 x 128 prompt step spends its GPU time (micro/prompt_step_profile.py:
     # TTFT, then the step's kernels, matrix products apart), then the greedy LM head's forms (micro/head_argmax.py)
