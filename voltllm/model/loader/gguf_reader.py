@@ -2,9 +2,9 @@
 
 GGUFReader parses a header by slicing its memory map once or twice per value, and slicing an np.memmap runs Python
 (numpy's memmap.__array_finalize__ and __getitem__) per slice; a header that holds a tokenizer is ~250K slices
-(SmolLM2-135M's 49,152 tokens and merges: 3.9 s, of a ~16 s `voltllm serve` start on this project's CPU machine).
-The reader here slices a plain ndarray view of the same map instead (2.0 s there): the same fields and tensors,
-whose data are then ndarray views (the map stays open as their base)."""
+(SmolLM2-135M's 49,152 tokens and merges: 3.9 s on this project's CPU machine, and `voltllm serve` parses it in the
+API process and again in the engine's). The reader here slices a plain ndarray view of the same map instead (2.0 s
+there): the same fields and tensors, whose data are then ndarray views (the map stays open as their base)."""
 from __future__ import annotations
 
 import functools
