@@ -315,6 +315,8 @@ c64_batch() {  # #4's case: one batch of 64 x 128/128
 card() { nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader; }
 C64_8B="--random-weights qwen3-8b-shape --dtype half --scenario concurrency --concurrency 64 --input-len 128 --output-len 128 --num-warm 2"
 FOLD_OFF="--set voltllm.worker.norm_fold_tuning:NORM_FOLD=False"
+# session 75's greedy head argmax epilogue and one-kernel first inputs off (the A side of s175a / s176b / s176c)
+S75_OFF="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
 side_bench() {  # side_bench TAG "SETS" BENCH-ARGS...: one A/B side through micro/bench_with_tma_configs.py (SETS: its
   # --set module constants), logged as TAG.log; prints the norm-fold tuner's 64-row line and the table's main rows
   local tag=$1 sets=$2; shift 2
@@ -2332,18 +2334,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
   s176b)  # (session 76; carry .whl) s175a in less device time: 8B c64 A (both off) / B (both on), the two new GPU files,
     # then A / B again while time is left (for a budget of ~7 minutes)
     card
-    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
-    side_bench c64-A1 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
+    side_bench c64-A1 "$S75_OFF" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
     side_bench c64-B1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B1-$sha
     grep -E "151936x4096" "$out/c64-B1.log" | head -3
     gpu_group heads $(( 300 - SECONDS )) 3 loadfile test_head_argmax_gpu test_norm_fold_gpu
-    (( SECONDS < 330 )) && side_bench c64-A2 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
+    (( SECONDS < 330 )) && side_bench c64-A2 "$S75_OFF" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
     (( SECONDS < 380 )) && side_bench c64-B2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B2-$sha
     for f in c64-A1 c64-B1 c64-A2 c64-B2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms|ttft_ms) " "$out/$f.log"; done
     ;;
   s176c)  # (session 76; carry .whl; after s176b on the same machine) one more A / B pair of s176b
-    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
-    side_bench c64-A3 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A3-$sha
+    side_bench c64-A3 "$S75_OFF" $C64_8B --name qwen3-8b-shape-fp16-c64-A3-$sha
     side_bench c64-B3 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B3-$sha
     ;;
   s176a)  # (session 76; carry .whl) where #4's 64 x 128 prompt step spends its GPU time (micro/prompt_step_profile.py:
@@ -2368,12 +2368,11 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', 'tests/gpu/test_hybrid_gpu.py', '-p', '
     # kernel; skinny_tuning.BATCH_HEAD_ARGMAX) and the folded batch's first inputs in one kernel (norm_fold.EMBED_ROWS):
     # 8B c64 A (both off) / B (both on) / C (head argmax only) / A / B, then their GPU files
     card
-    off="--set voltllm.worker.skinny_tuning:BATCH_HEAD_ARGMAX=False --set voltllm.model.norm_fold:EMBED_ROWS=False"
-    side_bench c64-A1 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
+    side_bench c64-A1 "$S75_OFF" $C64_8B --name qwen3-8b-shape-fp16-c64-A1-$sha
     side_bench c64-B1 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B1-$sha
     grep -E "151936x4096" "$out/c64-B1.log" | head -2
     side_bench c64-C1 "--set voltllm.model.norm_fold:EMBED_ROWS=False" $C64_8B --name qwen3-8b-shape-fp16-c64-C1-$sha
-    side_bench c64-A2 "$off" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
+    side_bench c64-A2 "$S75_OFF" $C64_8B --name qwen3-8b-shape-fp16-c64-A2-$sha
     (( SECONDS < 330 )) && side_bench c64-B2 "" $C64_8B --name qwen3-8b-shape-fp16-c64-B2-$sha
     gpu_group heads $(( 585 - SECONDS )) 3 loadfile test_head_argmax_gpu test_norm_fold_gpu test_argmax_cuda
     for f in c64-A1 c64-B1 c64-C1 c64-A2 c64-B2; do echo "== $f"; grep -E "^(output_tok_s|tpot_ms|ttft_ms) " "$out/$f.log"; done
